@@ -1,0 +1,1 @@
+"""`python -m dht_bootstrap`: a long-lived DHT node with a stable identity for a run."""

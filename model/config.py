@@ -1,0 +1,49 @@
+"""Model configuration: the shape of the MoE LLM and how non-owned experts are stored.
+
+Kept free of torch/hivemind imports so configs can be parsed and validated cheaply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FROZEN_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only MoE LLM (Qwen3-MoE architecture, SPEC §1)."""
+
+    vocab_size: int = 320
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 512
+    seq_len: int = 256
+    # Storage dtype of experts this peer does not own (they only feed the forward pass).
+    frozen_expert_dtype: str = "bfloat16"
+    norm_topk_prob: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field."""
+        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "num_experts", "top_k",
+                    "expert_hidden", "seq_len")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even (RoPE)")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k ({self.top_k}) must be <= model.num_experts ({self.num_experts})")
+        if self.frozen_expert_dtype not in FROZEN_DTYPES:
+            raise ValueError(f"model.frozen_expert_dtype must be one of {FROZEN_DTYPES}, got {self.frozen_expert_dtype!r}")

@@ -1,0 +1,104 @@
+"""Export a run to a plain transformers folder: `python -m model.export RUN_DIR OUT_DIR`.
+
+Takes the newest complete checkpoint of RUN_DIR, rebuilds the stock `Qwen3MoeForCausalLM` (experts stacked
+back into transformers' fused layout, all in fp32) and writes it with `save_pretrained`, together with the
+run's tokenizer (saved in RUN_DIR/tokenizer by the training loop). The result loads with
+`transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` and needs no code from this project.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import AutoTokenizer, Qwen3MoeForCausalLM
+
+from model.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model_state
+from model.config import ModelConfig
+from model.model import SpesMoE, hf_config
+
+logger = logging.getLogger(__name__)
+
+
+def to_hf_model(model: SpesMoE) -> Qwen3MoeForCausalLM:
+    """A stock transformers model (fp32) holding exactly this model's weights."""
+    hf = Qwen3MoeForCausalLM(hf_config(model.cfg))
+    state = {}
+    for name, tensor in model.lm.state_dict().items():
+        if ".mlp.experts." not in name:
+            state[name] = tensor.float()
+    for layer_idx, bank in enumerate(model.expert_banks()):
+        prefix = f"model.layers.{layer_idx}.mlp.experts."
+        for tensor_name in ("gate_up_proj", "down_proj"):
+            state[prefix + tensor_name] = torch.stack([getattr(slot, tensor_name).detach().float() for slot in bank.bank])
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    # rotary inv_freq is a non-persistent buffer; lm_head may be tied to the embeddings.
+    missing = [k for k in missing if not (model.cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"export mapping is incomplete: missing={missing[:3]} unexpected={unexpected[:3]}")
+    return hf.eval()
+
+
+def read_model_config(run_dir: Path) -> ModelConfig:
+    """ModelConfig from RUN_DIR/config.yaml (the resolved config the peer wrote)."""
+    path = run_dir / "config.yaml"
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the run's config ({e.strerror})") from None
+    except yaml.YAMLError:
+        raise ValueError(f"{path}: not valid YAML") from None
+    model_section = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model_section, dict):
+        raise ValueError(f"{path}: has no 'model' section")
+    known = set(ModelConfig.__dataclass_fields__)
+    unknown = sorted(set(model_section) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown config key 'model.{unknown[0]}'")
+    return ModelConfig(**model_section)
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Export the newest checkpoint of `run_dir` to `out_dir`; returns the checkpoint used."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    cfg = read_model_config(run_dir)
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise ValueError(f"{run_dir}: no checkpoint found in {run_dir / 'checkpoints'}")
+    tensors, _ = load_checkpoint(ckpt)
+    # Build with every expert frozen in fp32: no optimizer is needed and no precision is lost.
+    cfg.frozen_expert_dtype = "float32"
+    model = SpesMoE(cfg, owned_experts=())
+    load_model_state(model, tensors, str(ckpt))
+    hf = to_hf_model(model)
+    tok_dir = run_dir / "tokenizer"
+    if not tok_dir.is_dir():
+        raise ValueError(f"{run_dir}: no tokenizer folder (expected {tok_dir})")
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return ckpt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model.export",
+                                     description="Export the newest checkpoint of a run to a transformers folder.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `python -m peer.run`")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json, weights, tokenizer)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        ckpt = export_run(args.run_dir, args.out_dir)
+    except (ValueError, CheckpointError) as e:
+        logger.error(f"error: {e}")
+        return 2
+    logger.info(f"exported {ckpt} to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The SPES MoE language model: transformers' Qwen3-MoE with an ownership-aware expert bank.
+
+Attention, RoPE, RMSNorm and the top-k router are transformers' own Qwen3-MoE modules; only each layer's
+`mlp.experts` is replaced by `SpesExperts`, which keeps owned experts trainable (fp32) and the others
+frozen (bf16 by default). Initialization depends only on the seed, never on ownership, so every peer of a
+swarm starts from the same weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from model.config import ModelConfig
+from model.experts import ExpertSlot, SpesExperts
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def hf_config(cfg: ModelConfig) -> Qwen3MoeConfig:
+    """The stock transformers config of this model shape (what export writes as config.json)."""
+    return Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.expert_hidden,
+        moe_intermediate_size=cfg.expert_hidden,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.d_model // cfg.n_heads,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        norm_topk_prob=cfg.norm_topk_prob,
+        max_position_embeddings=max(cfg.seq_len, 2048),
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rms_norm_eps=cfg.rms_norm_eps,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,
+        use_cache=False,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+def _expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
+    # A generator per (seed, layer, expert): an expert's init never depends on which experts a peer owns
+    # or on the order they are built in.
+    digest = hashlib.sha256(f"spes-expert:{seed}:{layer}:{expert}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                    # [B, T, V]
+    router_logits: tuple[torch.Tensor, ...]  # per layer [B*T, E]
+
+
+class SpesMoE(nn.Module):
+    """Decoder-only MoE LLM whose experts can be owned (trainable) or frozen, per expert index."""
+
+    def __init__(self, cfg: ModelConfig, owned_experts: Iterable[int] = (), seed: int = 0):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.frozen_dtype = DTYPES[cfg.frozen_expert_dtype]
+        owned = set(owned_experts)
+        self._check_experts(owned)
+        self.owned_experts: frozenset[int] = frozenset(owned)
+
+        config = hf_config(cfg)
+        # Build transformers' model with 1-wide experts so the full fp32 expert bank is never allocated
+        # (at the paper's shapes that transient alone would dominate peak memory), then swap in our bank.
+        stub_config = hf_config(cfg)
+        stub_config.moe_intermediate_size = 1
+        torch.manual_seed(seed)
+        self.lm = Qwen3MoeForCausalLM(stub_config)
+        self.lm.config = config
+        self.lm.model.config = config
+        for layer_idx, layer in enumerate(self.lm.model.layers):
+            act_fn = layer.mlp.experts.act_fn
+            slots = []
+            for expert in range(cfg.num_experts):
+                gen = _expert_generator(seed, layer_idx, expert)
+                gate_up = torch.randn(2 * cfg.expert_hidden, cfg.d_model, generator=gen) * cfg.init_std
+                down = torch.randn(cfg.d_model, cfg.expert_hidden, generator=gen) * cfg.init_std
+                slots.append(ExpertSlot(gate_up, down, expert in owned, self.frozen_dtype))
+            layer.mlp.experts = SpesExperts(slots, act_fn)
+
+    # ---- ownership -------------------------------------------------------------------------------------
+
+    def _check_experts(self, experts: set[int]) -> None:
+        bad = [e for e in experts if not 0 <= e < self.cfg.num_experts]
+        if bad:
+            raise ValueError(f"expert index {bad[0]} out of range 0..{self.cfg.num_experts - 1}")
+
+    def expert_banks(self) -> list[SpesExperts]:
+        return [layer.mlp.experts for layer in self.lm.model.layers]
+
+    def set_owned_experts(self, experts: Iterable[int]) -> None:
+        """Change which experts are trainable, in place, keeping every expert's current values.
+
+        Parameters of newly owned experts are new tensors: the optimizer must be told (see peer.optim).
+        """
+        owned = set(experts)
+        self._check_experts(owned)
+        for bank in self.expert_banks():
+            bank.set_owned(owned)
+        self.owned_experts = frozenset(owned)
+
+    def expert_tensors(self, expert: int) -> dict[str, torch.Tensor]:
+        """All tensors of expert `expert` across layers, keyed `layers.{l}.{name}` (storage dtype, no copy)."""
+        out = {}
+        for layer_idx, bank in enumerate(self.expert_banks()):
+            for name, tensor in bank.bank[expert].tensors().items():
+                out[f"layers.{layer_idx}.{name}"] = tensor
+        return out
+
+    def load_expert_tensors(self, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite expert `expert` in every layer from a dict shaped like `expert_tensors(expert)`."""
+        missing = set(self.expert_tensors(expert)) - set(tensors)
+        if missing:
+            raise ValueError(f"expert {expert}: missing tensors {sorted(missing)[:3]}")
+        for layer_idx, bank in enumerate(self.expert_banks()):
+            slot = bank.bank[expert]
+            slot.load_tensors({name: tensors[f"layers.{layer_idx}.{name}"] for name in slot.TENSOR_NAMES})
+
+    def shared_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, param) of every non-expert parameter (embeddings, attention, norms, router, LM head)."""
+        return [(n, p) for n, p in self.named_parameters() if ".mlp.experts." not in n]
+
+    # ---- parameter counts ------------------------------------------------------------------------------
+
+    def num_parameters(self, kind: str = "total") -> int:
+        """'total' (every expert), 'trainable' (what this peer optimizes), 'active' (used per token)."""
+        shared = sum(p.numel() for _, p in self.shared_parameters())
+        per_expert = sum(t.numel() for t in self.expert_tensors(0).values())
+        if kind == "total":
+            return shared + per_expert * self.cfg.num_experts
+        if kind == "trainable":
+            return sum(p.numel() for p in self.parameters() if p.requires_grad)
+        if kind == "active":
+            return shared + per_expert * self.cfg.top_k
+        raise ValueError(f"unknown parameter count kind {kind!r}")
+
+    # ---- forward ---------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor) -> ModelOutput:
+        out = self.lm.model(input_ids=input_ids, output_router_logits=True, use_cache=False)
+        logits = self.lm.lm_head(out.last_hidden_state)
+        return ModelOutput(logits=logits, router_logits=tuple(out.router_logits))
+
+
+def router_losses(router_logits: tuple[torch.Tensor, ...], top_k: int,
+                  count_scale_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router z-loss (ST-MoE) and Switch load-balance loss, each averaged over layers.
+
+    load-balance = E * sum_e f_e * P_e with f_e the share of routed (token, slot) pairs sent to expert e and
+    P_e its mean router probability; 1.0 when perfectly balanced. `count_scale_E` multiplies the counts f_e
+    (the decayed load-balance variant scales a peer's own experts).
+    """
+    z_terms, lb_terms = [], []
+    for logits_TE in router_logits:
+        logits_TE = logits_TE.float()
+        num_experts = logits_TE.shape[-1]
+        z_terms.append(torch.logsumexp(logits_TE, dim=-1).pow(2).mean())
+        probs_TE = logits_TE.softmax(dim=-1)
+        chosen_TK = probs_TE.topk(top_k, dim=-1).indices
+        counts_E = torch.bincount(chosen_TK.reshape(-1), minlength=num_experts).to(probs_TE.dtype)
+        if count_scale_E is not None:
+            counts_E = counts_E * count_scale_E.to(counts_E)
+        frac_E = counts_E / chosen_TK.numel()
+        lb_terms.append(num_experts * (frac_E * probs_TE.mean(dim=0)).sum())
+    return torch.stack(z_terms).mean(), torch.stack(lb_terms).mean()
+
+
+def lm_loss(model: SpesMoE, tokens_BT1: torch.Tensor, z_coef: float, lb_coef: float,
+            count_scale_E: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Training loss on a packed block batch [B, T+1]: CE(next token) + z_coef*z + lb_coef*lb."""
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    out = model(inputs_BT)
+    ce = F.cross_entropy(out.logits.flatten(0, 1).float(), targets_BT.reshape(-1))
+    z, lb = router_losses(out.router_logits, model.cfg.top_k, count_scale_E)
+    loss = ce + z_coef * z + lb_coef * lb
+    return loss, {"ce": ce.item(), "z_loss": z.item(), "lb_loss": lb.item()}

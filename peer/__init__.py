@@ -1,0 +1,1 @@
+"""One peer: config, data, training loop, checkpoints, metrics, and the `python -m peer.run` CLI."""

@@ -1,0 +1,98 @@
+"""Local optimizer for one peer: AdamW over trainable parameters only, warm-up + cosine schedule.
+
+Frozen (non-owned) experts are buffers, so they can never reach the optimizer. When ownership changes at run
+time the set of trainable tensors changes too; `sync_optimizer_params` drops the state of tensors that left
+and registers the new ones, so optimizer state exists exactly for what this peer trains.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from peer.config import TrainConfig
+
+
+def _is_decayed(name: str, param: nn.Parameter) -> bool:
+    # Norm gains and other vectors are not decayed (standard practice for LLM pretraining).
+    return param.ndim >= 2
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with a decayed group (matrices) and a non-decayed group (vectors), trainable params only."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if _is_decayed(name, param) else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    # foreach=False keeps the update one tensor at a time: no extra full-size temporaries at the peak.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def sync_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Make the optimizer's parameters exactly the model's trainable ones (after an ownership change)."""
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    live = {id(p) for p in trainable.values()}
+    known: set[int] = set()
+    for group in optimizer.param_groups:
+        kept = []
+        for p in group["params"]:
+            if id(p) in live:
+                kept.append(p)
+                known.add(id(p))
+            else:
+                optimizer.state.pop(p, None)
+        group["params"] = kept
+    groups = {g.get("name"): g for g in optimizer.param_groups}
+    for name, p in trainable.items():
+        if id(p) not in known:
+            groups["decay" if _is_decayed(name, p) else "no_decay"]["params"].append(p)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at max_steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor]:
+    """AdamW state as flat named tensors `optim.<param name>.<key>` (for safetensors checkpoints)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for param, state in optimizer.state.items():
+        name = names.get(id(param))
+        if name is None:
+            continue
+        for key, value in state.items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(float(value))
+            out[f"optim.{name}.{key}"] = tensor
+    return out
+
+
+def load_optimizer_state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module,
+                                 tensors: dict[str, torch.Tensor]) -> int:
+    """Restore AdamW state for every trainable parameter found in `tensors`; returns how many were restored.
+
+    Parameters without saved state (e.g. experts adopted since) start with fresh state.
+    """
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    restored = 0
+    for name, param in params.items():
+        prefix = f"optim.{name}."
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not state:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state and state[key].shape != param.shape:
+                raise ValueError(f"optimizer state {name}.{key} has shape {tuple(state[key].shape)}, "
+                                 f"expected {tuple(param.shape)}")
+        optimizer.state[param] = {k: v.to(device=param.device, dtype=torch.float32) if k != "step" else v.float()
+                                  for k, v in state.items()}
+        restored += 1
+    return restored

@@ -1,0 +1,251 @@
+"""One peer's training loop: data, model, AdamW over owned experts + shared layers, logs, eval, checkpoints.
+
+The loop is single-peer here; synchronization plugs in through `Trainer.step_hooks` (called after every
+optimizer step) so `sync/` never runs a training loop and this file never talks to the network.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+import torch
+from hivemind import get_logger
+
+from model.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
+                              load_model_state, model_state_for_checkpoint, prune_checkpoints, save_checkpoint)
+from model.model import SpesMoE, lm_loss
+from peer.config import RunConfig, save_config
+from peer.data import build_data
+from peer.optim import (build_optimizer, load_optimizer_state_tensors, lr_at, optimizer_state_tensors,
+                        sync_optimizer_params)
+from peer.tokenizer import build_tokenizer
+from sync.config import default_experts_per_peer, parse_expert_list
+
+logger = get_logger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_experts(spec: str, cfg: RunConfig) -> list[int]:
+    """Experts to own from --experts. Without a swarm every expert has zero coverage, so `auto` takes the
+    lowest indices (the deterministic tie-break the swarm's least-covered rule also uses)."""
+    num_experts = cfg.model.num_experts
+    if spec == "auto":
+        return list(range(default_experts_per_peer(cfg.sync, num_experts)))
+    return parse_expert_list(spec, num_experts)
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class Trainer:
+    """Trains one peer's share of the model. Call `run()`; `request_stop()` ends it after the current step."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device)
+        self.run_dir = cfg.resolved_run_dir()
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        if len(self.tokenizer) > cfg.model.vocab_size:
+            raise ValueError(f"tokenizer {cfg.data.tokenizer!r} has {len(self.tokenizer)} tokens but "
+                             f"model.vocab_size is {cfg.model.vocab_size}")
+        self.data = build_data(cfg.data, self.tokenizer, cfg.model.seq_len, cfg.train.seed)
+
+        self.step = 0
+        self.tokens = 0
+        self.rounds = 0
+        self._stop = False
+        self.step_hooks: list[Callable[["Trainer"], None]] = []
+
+        resume_from = latest_checkpoint(self.ckpt_dir)
+        ckpt_tensors, ckpt_meta = (load_checkpoint(resume_from) if resume_from else ({}, {}))
+        if cfg.sync.experts == "auto" and ckpt_meta.get("owned_experts") is not None:
+            owned = list(ckpt_meta["owned_experts"])  # continuing a run keeps what it owned
+        else:
+            owned = resolve_experts(cfg.sync.experts, cfg)
+        self.model = SpesMoE(cfg.model, owned_experts=owned, seed=cfg.train.seed).to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        if resume_from is not None:
+            self._restore(resume_from, ckpt_tensors, ckpt_meta)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        # The run dir carries its tokenizer so `python -m model.export` needs nothing else.
+        self.tokenizer.save_pretrained(str(self.run_dir / "tokenizer"))
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    # ---- state ------------------------------------------------------------------------------------------
+
+    def _restore(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        load_model_state(self.model, tensors, str(path))
+        try:
+            load_optimizer_state_tensors(self.optimizer, self.model, tensors)
+            self.data.train.load_state_dict(meta["data"])
+            self.step, self.tokens, self.rounds = int(meta["step"]), int(meta["tokens"]), int(meta.get("rounds", 0))
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"corrupt checkpoint {path}: bad trainer state ({e})") from None
+        logger.info(f"resumed from {path} at step {self.step} ({self.tokens} tokens)")
+
+    def save_checkpoint(self) -> Path:
+        path = checkpoint_path(self.ckpt_dir, self.step)
+        tensors = model_state_for_checkpoint(self.model)
+        tensors.update(optimizer_state_tensors(self.optimizer, self.model))
+        meta = {"step": self.step, "tokens": self.tokens, "rounds": self.rounds,
+                "owned_experts": sorted(self.model.owned_experts), "data": self.data.train.state_dict(),
+                "run_id": self.cfg.run_id}
+        save_checkpoint(path, tensors, meta)
+        prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_checkpoints)
+        logger.info(f"checkpoint written: {path}")
+        return path
+
+    def set_owned_experts(self, experts: list[int]) -> None:
+        """Change ownership at run time: experts move between trainable and frozen, optimizer follows."""
+        self.model.set_owned_experts(experts)
+        sync_optimizer_params(self.optimizer, self.model)
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    # ---- steps ------------------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over grad_accum micro-batches; returns mean loss parts."""
+        tcfg = self.cfg.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, tcfg)
+        self.model.train()
+        totals: dict[str, float] = {}
+        for _ in range(tcfg.grad_accum):
+            batch = self.data.train.next_batch(tcfg.batch_size).to(self.device, non_blocking=True)
+            with self._autocast():
+                loss, parts = lm_loss(self.model, batch, tcfg.z_loss, tcfg.lb_loss)
+            (loss / tcfg.grad_accum).backward()
+            for key, value in parts.items():
+                totals[key] = totals.get(key, 0.0) + value / tcfg.grad_accum
+            self.tokens += batch.shape[0] * (batch.shape[1] - 1)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if tcfg.grad_clip > 0:
+            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return totals
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy on the held-out blocks (the same blocks on every peer)."""
+        self.model.eval()
+        blocks = self.data.eval_blocks
+        bs = self.cfg.train.batch_size
+        losses, weights = [], []
+        for start in range(0, min(len(blocks), bs * self.cfg.train.eval_batches), bs):
+            batch = blocks[start:start + bs].to(self.device)
+            with self._autocast():
+                out = self.model(batch[:, :-1])
+            ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].reshape(-1))
+            losses.append(ce.item())
+            weights.append(batch.shape[0])
+        return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+
+    # ---- loop -------------------------------------------------------------------------------------------
+
+    def _write_metrics(self, record: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def run(self) -> None:
+        tcfg = self.cfg.train
+        if self.step >= tcfg.max_steps:
+            logger.info(f"nothing to do: step {self.step} >= max_steps {tcfg.max_steps}")
+            return
+        logger.info(f"training on {self.device}: {self.model.num_parameters('total') / 1e6:.2f}M params total, "
+                    f"{self.model.num_parameters('trainable') / 1e6:.2f}M trainable, owned experts "
+                    f"{sorted(self.model.owned_experts)} of {self.cfg.model.num_experts}; run dir {self.run_dir}")
+        window_loss, window_n = 0.0, 0
+        window_start, window_tokens = time.perf_counter(), self.tokens
+        loop_start, loop_start_step = window_start, self.step
+        last_saved = self.step
+        while self.step < tcfg.max_steps and not self._stop:
+            parts = self.train_step()
+            if not math.isfinite(parts["ce"]):
+                raise FloatingPointError(f"loss became {parts['ce']} at step {self.step}")
+            for hook in self.step_hooks:
+                hook(self)
+            window_loss += parts["ce"]
+            window_n += 1
+            record = None
+            now = time.perf_counter()
+            if tcfg.log_every and (self.step % tcfg.log_every == 0 or self.step == 1 or self.step == tcfg.max_steps):
+                tok_s = (self.tokens - window_tokens) / max(now - window_start, 1e-9)
+                steps_s = (self.step - loop_start_step) / max(now - loop_start, 1e-9)
+                eta = (tcfg.max_steps - self.step) / steps_s if steps_s > 0 else float("inf")
+                record = {"step": self.step, "loss": window_loss / window_n, "tokens": self.tokens,
+                          "tokens_per_s": tok_s, "rounds": self.rounds,
+                          "owned_experts": sorted(self.model.owned_experts), "time": time.time(),
+                          "lr": lr_at(self.step - 1, tcfg), "z_loss": parts["z_loss"], "lb_loss": parts["lb_loss"]}
+                logger.info(f"[{self.cfg.run_id}] step {self.step}/{tcfg.max_steps} | loss {record['loss']:.4f} | "
+                            f"{tok_s:,.0f} tok/s | eta {_fmt_duration(eta)}")
+                window_loss, window_n, window_start, window_tokens = 0.0, 0, now, self.tokens
+            if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps):
+                eval_loss = self.evaluate()
+                logger.info(f"[{self.cfg.run_id}] step {self.step} | eval_loss {eval_loss:.4f}")
+                record = record or {"step": self.step, "loss": parts["ce"], "tokens": self.tokens,
+                                    "tokens_per_s": 0.0, "rounds": self.rounds,
+                                    "owned_experts": sorted(self.model.owned_experts), "time": time.time()}
+                record["eval_loss"] = eval_loss
+            if record is not None:
+                self._write_metrics(record)
+            if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0:
+                self.save_checkpoint()
+                last_saved = self.step
+        if self._stop:
+            logger.info(f"stop requested: finished step {self.step}")
+        if tcfg.checkpoint_every and last_saved != self.step:
+            self.save_checkpoint()
+
+
+class StopOnSignal:
+    """Context manager: the first SIGINT/SIGTERM asks the trainer to stop after the current step;
+    a second one interrupts immediately."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.trainer._stop:
+            raise KeyboardInterrupt
+        logger.info(f"{signal.Signals(signum).name} received: finishing the current step, then checkpoint and exit "
+                    f"(again to abort)")
+        self.trainer.request_stop()
+
+    def __enter__(self) -> "StopOnSignal":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

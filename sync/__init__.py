@@ -1,0 +1,1 @@
+"""Everything that crosses the network: DHT records, averaging, expert transfer, merge (hivemind)."""

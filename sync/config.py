@@ -1,0 +1,79 @@
+"""Synchronization configuration (SPEC §1, §3b): how often peers sync and which experts a peer owns.
+
+Kept free of hivemind imports so the peer can parse configs without starting anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MergeConfig:
+    """Expert-merging warm-up: alpha = alpha0 * (1 - min(step / decay_steps, 1)) at steps % interval == 0."""
+
+    interval: int = 500
+    alpha: float = 0.0
+    decay_steps: int = 10000
+    topk: int = 4
+
+
+@dataclass
+class SyncConfig:
+    """When and what a peer synchronizes. `every: 0` turns synchronization off."""
+
+    every: int = 100
+    # "auto" (least-covered experts), "all", or a list like "0-3,8".
+    experts: str = "auto"
+    # How many experts "auto" takes; 0 means num_experts / 4 (at least 1).
+    experts_per_peer: int = 0
+    compression: str = "none"
+    outer: str = "avg"
+    merge: MergeConfig = field(default_factory=MergeConfig)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if self.every < 0:
+            raise ValueError(f"sync.every must be >= 0, got {self.every}")
+        if self.experts_per_peer < 0:
+            raise ValueError(f"sync.experts_per_peer must be >= 0, got {self.experts_per_peer}")
+        if self.compression not in ("none", "fp16", "8bit"):
+            raise ValueError(f"sync.compression must be none|fp16|8bit, got {self.compression!r}")
+        if self.outer not in ("avg", "nesterov"):
+            raise ValueError(f"sync.outer must be avg|nesterov, got {self.outer!r}")
+        if self.merge.interval <= 0 or self.merge.decay_steps <= 0 or self.merge.topk <= 0:
+            raise ValueError("sync.merge.interval, decay_steps and topk must be > 0")
+        if self.merge.alpha < 0:
+            raise ValueError(f"sync.merge.alpha must be >= 0, got {self.merge.alpha}")
+
+
+def parse_expert_list(spec: str, num_experts: int) -> list[int]:
+    """Parse "0-3,8" into [0, 1, 2, 3, 8]; "all" into every expert. Raises ValueError on bad input."""
+    spec = str(spec).strip()
+    if spec == "all":
+        return list(range(num_experts))
+    experts: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"bad expert list {spec!r}: empty item")
+        try:
+            if "-" in part:
+                lo_s, hi_s = part.split("-", 1)
+                lo, hi = int(lo_s), int(hi_s)
+            else:
+                lo = hi = int(part)
+        except ValueError:
+            raise ValueError(f"bad expert list {spec!r}: {part!r} is not an index or a range like 0-3") from None
+        if lo > hi:
+            raise ValueError(f"bad expert list {spec!r}: range {part!r} is empty")
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"bad expert list {spec!r}: experts are numbered 0..{num_experts - 1}")
+        experts.update(range(lo, hi + 1))
+    return sorted(experts)
+
+
+def default_experts_per_peer(cfg: SyncConfig, num_experts: int) -> int:
+    """How many experts `--experts auto` takes: the configured count, else a quarter of the model (>= 1)."""
+    if cfg.experts_per_peer:
+        return min(cfg.experts_per_peer, num_experts)
+    return max(1, num_experts // 4)
