@@ -10,7 +10,9 @@ import argparse
 import sys
 from typing import Any
 
-from hivemind import get_logger
+import logging
+
+from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 
 from peer.config import ConfigError, load_config, parse_override
 
@@ -69,8 +71,15 @@ def overrides_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     return overrides
 
 
+def setup_logging() -> None:
+    """One log format for hivemind, transformers and this project: hivemind's handler on the root logger."""
+    use_hivemind_log_handler("in_root_logger")
+    logging.getLogger().setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging()
     try:
         for name in SWARM_FLAGS:
             value = getattr(args, name)

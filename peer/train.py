@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from hivemind import get_logger
+from hivemind.utils.logging import get_logger
 
 from model.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                               load_model_state, model_state_for_checkpoint, prune_checkpoints, save_checkpoint)

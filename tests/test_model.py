@@ -1,0 +1,160 @@
+"""The ownership-aware MoE model against transformers' stock Qwen3-MoE: forward equality, gradients only for
+owned experts, frozen experts bit-identical, run-time ownership changes, parameter counts."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Qwen3MoeForCausalLM
+
+from model.config import ModelConfig
+from model.model import SpesMoE, hf_config, lm_loss, router_losses
+from peer.config import TrainConfig
+from peer.optim import build_optimizer, sync_optimizer_params
+from model.export import to_hf_model
+
+CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, top_k=2,
+                  expert_hidden=48, seq_len=16)
+
+
+def _batch(seed: int = 0, batch: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len + 1), generator=g)
+
+
+def _expert_snapshot(model: SpesMoE, expert: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.expert_tensors(expert).items()}
+
+
+def _train(model: SpesMoE, optimizer: torch.optim.Optimizer, steps: int, seed: int = 0) -> None:
+    for i in range(steps):
+        loss, _ = lm_loss(model, _batch(seed + i), 0.001, 0.01)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_same_init_from_same_seed_whatever_the_ownership():
+    a = SpesMoE(CFG, owned_experts=[0], seed=3)
+    b = SpesMoE(CFG, owned_experts=[1, 2, 3], seed=3)
+    c = SpesMoE(CFG, owned_experts=[0], seed=4)
+    for name, tensor in a.state_dict().items():
+        assert torch.equal(tensor.float(), b.state_dict()[name].float().to(tensor.dtype).float()) or \
+            torch.equal(tensor.to(torch.bfloat16), b.state_dict()[name].to(torch.bfloat16)), name
+    assert not torch.equal(a.state_dict()["lm.model.embed_tokens.weight"], c.state_dict()["lm.model.embed_tokens.weight"])
+
+
+def test_forward_matches_stock_transformers_model():
+    cfg = dataclasses.replace(CFG, frozen_expert_dtype="float32")
+    ours = SpesMoE(cfg, owned_experts=[0, 2], seed=0).eval()
+    stock = to_hf_model(ours)
+    assert isinstance(stock, Qwen3MoeForCausalLM)
+    x = _batch()[:, :-1]
+    with torch.no_grad():
+        diff = (ours(x).logits - stock(input_ids=x).logits).abs().max().item()
+    assert diff <= 1e-5
+
+
+def test_only_owned_experts_get_gradients_and_optimizer_state_and_frozen_stay_bit_identical():
+    model = SpesMoE(CFG, owned_experts=[1, 3], seed=0)
+    optimizer = build_optimizer(model, TrainConfig(lr=1e-2))
+    before = {e: _expert_snapshot(model, e) for e in range(CFG.num_experts)}
+    loss, _ = lm_loss(model, _batch(), 0.001, 0.01)
+    loss.backward()
+    for bank in model.expert_banks():
+        for idx, slot in enumerate(bank.bank):
+            for name in slot.TENSOR_NAMES:
+                tensor = getattr(slot, name)
+                if idx in (1, 3):
+                    assert isinstance(tensor, torch.nn.Parameter) and tensor.grad is not None
+                    assert tensor.dtype == torch.float32
+                else:
+                    assert not tensor.requires_grad and tensor.grad is None and tensor.dtype == torch.bfloat16
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _train(model, optimizer, 4, seed=1)
+    state_ids = {id(p) for p in optimizer.state}
+    frozen_ids = {id(t) for bank in model.expert_banks() for i, s in enumerate(bank.bank) if i in (0, 2)
+                  for t in s.tensors().values()}
+    assert not state_ids & frozen_ids
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    assert all(p.requires_grad for p in opt_params)
+    assert sum(p.numel() for p in opt_params) == model.num_parameters("trainable")
+    for e in range(CFG.num_experts):
+        after = model.expert_tensors(e)
+        changed = any(not torch.equal(before[e][k], after[k]) for k in after)
+        if e in (1, 3):
+            assert changed, f"owned expert {e} did not train"
+        else:
+            assert all(torch.equal(before[e][k], after[k]) for k in after), f"frozen expert {e} changed"
+
+
+def test_frozen_path_gradients_equal_the_fp32_reference():
+    """The custom autograd function for frozen experts gives the same input gradients as plain fp32 math."""
+    cfg = dataclasses.replace(CFG, frozen_expert_dtype="float32")
+    frozen = SpesMoE(cfg, owned_experts=[], seed=0)
+    owned = SpesMoE(cfg, owned_experts=range(cfg.num_experts), seed=0)
+    for model in (frozen, owned):
+        loss, _ = lm_loss(model, _batch(), 0.001, 0.01)
+        loss.backward()
+    grads_frozen = dict(frozen.shared_parameters())
+    for name, param in owned.shared_parameters():
+        torch.testing.assert_close(grads_frozen[name].grad, param.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_ownership_switch_at_run_time():
+    model = SpesMoE(CFG, owned_experts=[0], seed=0)
+    optimizer = build_optimizer(model, TrainConfig(lr=1e-2))
+    _train(model, optimizer, 2)
+    trained_0 = _expert_snapshot(model, 0)
+    values_1 = _expert_snapshot(model, 1)
+
+    model.set_owned_experts([1])
+    sync_optimizer_params(optimizer, model)
+    # Values are kept across the switch: 0 is rounded to its frozen dtype, 1 is upcast exactly.
+    for k, v in model.expert_tensors(0).items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, trained_0[k].to(torch.bfloat16))
+    for k, v in model.expert_tensors(1).items():
+        assert v.dtype == torch.float32 and torch.equal(v, values_1[k].float())
+    assert all(bank.bank[1].gate_up_proj.requires_grad and not bank.bank[0].gate_up_proj.requires_grad
+               for bank in model.expert_banks())
+    opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert opt_params == {id(p) for p in model.parameters() if p.requires_grad}
+    assert all(id(p) in opt_params for p in optimizer.state)
+
+    frozen_0 = _expert_snapshot(model, 0)
+    _train(model, optimizer, 3, seed=5)
+    assert all(torch.equal(frozen_0[k], v) for k, v in model.expert_tensors(0).items())
+    assert any(not torch.equal(values_1[k].float(), v) for k, v in model.expert_tensors(1).items())
+
+
+def test_parameter_counts_match_the_real_modules():
+    model = SpesMoE(CFG, owned_experts=[0, 1], seed=0)
+    stock = Qwen3MoeForCausalLM(hf_config(CFG))
+    assert model.num_parameters("total") == sum(p.numel() for p in stock.parameters())
+    assert model.num_parameters("trainable") == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # active = everything but the experts a token does not visit
+    per_layer_experts = stock.model.layers[0].mlp.experts
+    per_expert = (per_layer_experts.gate_up_proj[0].numel() + per_layer_experts.down_proj[0].numel()) * CFG.n_layers
+    assert model.num_parameters("active") == model.num_parameters("total") - per_expert * (CFG.num_experts - CFG.top_k)
+    tied = SpesMoE(dataclasses.replace(CFG, tie_embeddings=True), owned_experts=[0], seed=0)
+    stock_tied = Qwen3MoeForCausalLM(hf_config(dataclasses.replace(CFG, tie_embeddings=True)))
+    assert tied.num_parameters("total") == sum(p.numel() for p in stock_tied.parameters())
+
+
+def test_router_losses_balanced_and_unbalanced():
+    uniform = (torch.zeros(64, 4),)
+    z, lb = router_losses(uniform, top_k=2)
+    assert z.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2, rel=1e-5)
+    assert lb.item() == pytest.approx(1.0, rel=1e-5)
+    skewed = torch.zeros(64, 4)
+    skewed[:, 0] = 5.0
+    skewed[:, 1] = 4.0
+    _, lb_skewed = router_losses((skewed,), top_k=2)
+    assert lb_skewed.item() > 1.5
+
+
+def test_bad_ownership_is_rejected():
+    with pytest.raises(ValueError, match="out of range"):
+        SpesMoE(CFG, owned_experts=[7])
