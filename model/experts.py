@@ -15,6 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # Under autocast F.linear computes in the autocast dtype anyway: casting the bf16 weight to fp32 first
+    # would make two throw-away copies of it.
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class _FrozenLinear(torch.autograd.Function):
     """y = x @ w.T for a frozen low-precision weight, without keeping an upcast copy alive.
 
@@ -26,7 +34,7 @@ class _FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(w)
-        return F.linear(x, w.to(x.dtype))
+        return F.linear(x, w.to(_compute_dtype(x)))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
@@ -37,7 +45,7 @@ class _FrozenLinear(torch.autograd.Function):
 def frozen_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Linear layer with a frozen weight; fast path when no gradient is needed at all."""
     if not (torch.is_grad_enabled() and x.requires_grad):
-        return F.linear(x, w.to(x.dtype))
+        return F.linear(x, w.to(_compute_dtype(x)))
     return _FrozenLinear.apply(x, w)
 
 

@@ -91,10 +91,18 @@ class SpesMoE(nn.Module):
             slots = []
             for expert in range(cfg.num_experts):
                 gen = _expert_generator(seed, layer_idx, expert)
-                gate_up = torch.randn(2 * cfg.expert_hidden, cfg.d_model, generator=gen) * cfg.init_std
-                down = torch.randn(cfg.d_model, cfg.expert_hidden, generator=gen) * cfg.init_std
+                gate_up = torch.randn(2 * cfg.expert_hidden, cfg.d_model, generator=gen).mul_(cfg.init_std)
+                down = torch.randn(cfg.d_model, cfg.expert_hidden, generator=gen).mul_(cfg.init_std)
                 slots.append(ExpertSlot(gate_up, down, expert in owned, self.frozen_dtype))
             layer.mlp.experts = SpesExperts(slots, act_fn)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute decoder layers in backward instead of keeping their activations (transformers' mechanism)."""
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.lm, "activation_checkpointing_enable"):  # newer transformers; the old name is deprecated
+            self.lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     # ---- ownership -------------------------------------------------------------------------------------
 

@@ -45,6 +45,8 @@ class TrainConfig:
     z_loss: float = 0.001
     lb_loss: float = 0.01
     device: str = "auto"
+    # Recompute each decoder layer in backward: activations stop growing with seq_len x batch (costs ~1 forward).
+    gradient_checkpointing: bool = False
 
     def validate(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):

@@ -82,6 +82,8 @@ class Trainer:
         else:
             owned = resolve_experts(cfg.sync.experts, cfg)
         self.model = SpesMoE(cfg.model, owned_experts=owned, seed=cfg.train.seed).to(self.device)
+        if cfg.train.gradient_checkpointing:
+            self.model.enable_gradient_checkpointing()
         self.optimizer = build_optimizer(self.model, cfg.train)
         if resume_from is not None:
             self._restore(resume_from, ckpt_tensors, ckpt_meta)

@@ -158,3 +158,17 @@ def test_router_losses_balanced_and_unbalanced():
 def test_bad_ownership_is_rejected():
     with pytest.raises(ValueError, match="out of range"):
         SpesMoE(CFG, owned_experts=[7])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    grads = []
+    for checkpointing in (False, True):
+        model = SpesMoE(CFG, owned_experts=[0, 1], seed=0).train()
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        loss, _ = lm_loss(model, _batch(), 0.001, 0.01)
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-6)

@@ -123,3 +123,23 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_exits_0(tmp_path):
     assert ckpt is not None, "no checkpoint written on Ctrl-C"
     _, meta = load_checkpoint(ckpt)
     assert meta["step"] == last_logged
+
+
+@pytest.mark.slow
+def test_no_arguments_trains_the_default_model_offline(tmp_path):
+    """`python -m peer.run` with no arguments at all: default small model, built-in corpus, no network
+    (the session fixture sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE). Stopped with Ctrl-C after 10 steps."""
+    proc = subprocess.Popen(peer_cmd(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "runs" / "spes-demo"
+    try:
+        _wait_for_step(run_dir, 10, proc, timeout=400)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    records = _metrics(run_dir)
+    assert records[0]["owned_experts"] == [0, 1]  # auto: a quarter of the 8 experts, lowest indices first
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert latest_checkpoint(run_dir / "checkpoints") is not None
