@@ -18,8 +18,8 @@ from peer.config import ConfigError, load_config, parse_override
 
 logger = get_logger(__name__)
 
-# Flags that need the swarm layer (sync/), which this build does not contain yet.
-SWARM_FLAGS = ("initial_peers", "host_maddrs", "announce_maddrs", "identity_path", "metrics_port")
+# Flags of features this build does not contain yet (Prometheus metrics come with the operations work).
+UNAVAILABLE_FLAGS = ("metrics_port",)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,24 +81,28 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     try:
-        for name in SWARM_FLAGS:
-            value = getattr(args, name)
-            if value not in (None, 0):
-                raise ConfigError(f"--{name.replace('_', '-')}: swarm mode is not available in this build yet "
-                                  f"(single-peer training only)")
+        for name in UNAVAILABLE_FLAGS:
+            if getattr(args, name) not in (None, 0):
+                raise ConfigError(f"--{name.replace('_', '-')}: not available in this build yet")
         cfg = load_config(args.config, overrides_from_args(args))
         if cfg.sync.experts not in ("auto", "all"):
             from sync.config import parse_expert_list
             parse_expert_list(cfg.sync.experts, cfg.model.num_experts)
         # Heavy imports after argument checks so bad flags fail fast.
         from model.checkpoint import CheckpointError
-        from peer.train import StopOnSignal, Trainer
+        from peer.node import PeerNode
+        from peer.train import StopOnSignal
+        from sync.swarm import SwarmError
+        if args.initial_peers and cfg.sync.every == 0:
+            raise ConfigError("--initial-peers needs synchronization on (sync.every > 0)")
         try:
-            trainer = Trainer(cfg)
-        except CheckpointError as e:
+            node = PeerNode(cfg, initial_peers=args.initial_peers or (),
+                            host_maddrs=args.host_maddrs or ("/ip4/0.0.0.0/tcp/0",),
+                            announce_maddrs=args.announce_maddrs or (), identity_path=args.identity_path)
+        except (CheckpointError, SwarmError) as e:
             raise ConfigError(str(e)) from None
-        with StopOnSignal(trainer):
-            trainer.run()
+        with node, StopOnSignal(node.trainer):
+            node.run()
     except (ConfigError, ValueError, FloatingPointError) as e:
         logger.error(f"error: {e}")
         return 2

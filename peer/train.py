@@ -58,7 +58,10 @@ def _fmt_duration(seconds: float) -> str:
 class Trainer:
     """Trains one peer's share of the model. Call `run()`; `request_stop()` ends it after the current step."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, data_seed: int | None = None,
+                 choose_auto: Callable[[int], list[int]] | None = None):
+        """`data_seed` orders this peer's data (default train.seed; the swarm derives one per peer);
+        `choose_auto(count)` picks experts for `--experts auto` (the swarm asks the DHT)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.run_dir = cfg.resolved_run_dir()
@@ -67,7 +70,11 @@ class Trainer:
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ValueError(f"tokenizer {cfg.data.tokenizer!r} has {len(self.tokenizer)} tokens but "
                              f"model.vocab_size is {cfg.model.vocab_size}")
-        self.data = build_data(cfg.data, self.tokenizer, cfg.model.seq_len, cfg.train.seed)
+        resume_from = latest_checkpoint(self.ckpt_dir)
+        ckpt_tensors, ckpt_meta = (load_checkpoint(resume_from) if resume_from else ({}, {}))
+        # A resumed peer keeps its data order (and so continues its epoch exactly).
+        self.data_seed = int(ckpt_meta.get("data_seed", data_seed if data_seed is not None else cfg.train.seed))
+        self.data = build_data(cfg.data, self.tokenizer, cfg.model.seq_len, self.data_seed)
 
         self.step = 0
         self.tokens = 0
@@ -75,10 +82,10 @@ class Trainer:
         self._stop = False
         self.step_hooks: list[Callable[["Trainer"], None]] = []
 
-        resume_from = latest_checkpoint(self.ckpt_dir)
-        ckpt_tensors, ckpt_meta = (load_checkpoint(resume_from) if resume_from else ({}, {}))
         if cfg.sync.experts == "auto" and ckpt_meta.get("owned_experts") is not None:
             owned = list(ckpt_meta["owned_experts"])  # continuing a run keeps what it owned
+        elif cfg.sync.experts == "auto" and choose_auto is not None:
+            owned = choose_auto(default_experts_per_peer(cfg.sync, cfg.model.num_experts))
         else:
             owned = resolve_experts(cfg.sync.experts, cfg)
         self.model = SpesMoE(cfg.model, owned_experts=owned, seed=cfg.train.seed).to(self.device)
@@ -111,7 +118,7 @@ class Trainer:
         tensors.update(optimizer_state_tensors(self.optimizer, self.model))
         meta = {"step": self.step, "tokens": self.tokens, "rounds": self.rounds,
                 "owned_experts": sorted(self.model.owned_experts), "data": self.data.train.state_dict(),
-                "run_id": self.cfg.run_id}
+                "data_seed": self.data_seed, "run_id": self.cfg.run_id}
         save_checkpoint(path, tensors, meta)
         prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_checkpoints)
         logger.info(f"checkpoint written: {path}")

@@ -28,6 +28,18 @@ class SyncConfig:
     experts_per_peer: int = 0
     compression: str = "none"
     outer: str = "avg"
+    # DiLoCo outer optimizer (outer: nesterov): SGD with Nesterov momentum on the pseudo-gradient.
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # Most experts a peer may own after adopting orphans; 0 = no limit.
+    max_experts_per_peer: int = 0
+    # Seconds: how long a round may wait for its group / transfers, and how long peers look for a group.
+    round_timeout: float = 60.0
+    matchmaking_time: float = 5.0
+    # Seconds an ownership record lives without a heartbeat (a dead peer's experts are orphaned after this).
+    record_ttl: float = 30.0
+    # A received tensor is refused if its L2 norm exceeds this multiple of the local copy's.
+    max_norm_ratio: float = 10.0
     merge: MergeConfig = field(default_factory=MergeConfig)
 
     def validate(self) -> None:
@@ -40,6 +52,15 @@ class SyncConfig:
             raise ValueError(f"sync.compression must be none|fp16|8bit, got {self.compression!r}")
         if self.outer not in ("avg", "nesterov"):
             raise ValueError(f"sync.outer must be avg|nesterov, got {self.outer!r}")
+        for name in ("round_timeout", "matchmaking_time", "record_ttl", "max_norm_ratio", "outer_lr"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"sync.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"sync.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.max_experts_per_peer < 0:
+            raise ValueError(f"sync.max_experts_per_peer must be >= 0, got {self.max_experts_per_peer}")
+        if self.matchmaking_time >= self.round_timeout:
+            raise ValueError("sync.matchmaking_time must be shorter than sync.round_timeout")
         if self.merge.interval <= 0 or self.merge.decay_steps <= 0 or self.merge.topk <= 0:
             raise ValueError("sync.merge.interval, decay_steps and topk must be > 0")
         if self.merge.alpha < 0:

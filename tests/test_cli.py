@@ -42,7 +42,11 @@ def _digest(directory: Path) -> dict[str, str]:
     (["--experts", "0-9"], "experts are numbered 0..3"),
     (["--device", "tpu"], "--device"),
     (["--dataset", "/no/such/corpus.jsonl"], "/no/such/corpus.jsonl"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX"], "--initial-peers"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf"],
+     "cannot reach any initial peer (/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf)"),
+    (["--initial-peers", "garbage"], "garbage"),
+    (["--host-maddrs", "/ip4/127.0.0.1/tcp/notaport"], "notaport"),
+    (["--metrics-port", "9100"], "--metrics-port"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, args, cause):
     proc = _run("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), *args)

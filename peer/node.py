@@ -1,0 +1,89 @@
+"""One swarm peer: wires the training loop (peer.train) to the swarm (sync/) — DHT, ownership, rounds.
+
+With `sync.every > 0` the peer starts a hivemind DHT node: without initial peers it starts a new swarm and logs
+one `initial peer: MADDR` line per address for others to pass to `--initial-peers`. Every `sync.every` local
+steps it runs a SPES round (sync/rounds.py). With `sync.every: 0` it trains alone and starts nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Sequence
+
+from hivemind.utils.logging import get_logger
+
+from peer.config import RunConfig
+from peer.train import Trainer
+from sync.rounds import SparseSync
+from sync.swarm import Swarm, start_dht
+
+logger = get_logger(__name__)
+
+
+class PeerNode:
+    """A Trainer plus (optionally) its swarm membership. Use as a context manager or call shutdown()."""
+
+    def __init__(self, cfg: RunConfig, initial_peers: Sequence[str] = (),
+                 host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",), announce_maddrs: Sequence[str] = (),
+                 identity_path: str | None = None):
+        self.cfg = cfg
+        self.swarm: Swarm | None = None
+        self.sync: SparseSync | None = None
+        self.blocked_seconds = 0.0
+        self._tokens_at_round = 0
+        data_seed = None
+        if cfg.sync.every > 0:
+            dht = start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path)
+            self.swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl)
+            for maddr in self.swarm.visible_maddrs():
+                logger.info(f"initial peer: {maddr}")
+            # Each peer reads its own order of the data; the model init (train.seed) stays the same everywhere.
+            digest = hashlib.sha256(f"{cfg.train.seed}:{self.swarm.peer_id}".encode()).digest()
+            data_seed = int.from_bytes(digest[:4], "little")
+        try:
+            self.trainer = Trainer(cfg, data_seed=data_seed,
+                                   choose_auto=self.swarm.choose_auto if self.swarm else None)
+            if self.swarm is not None:
+                self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync,
+                                       set_owned=self.trainer.set_owned_experts)
+                self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens) or self.trainer.rounds
+                self._tokens_at_round = self.trainer.tokens
+                self.trainer.step_hooks.append(self._maybe_sync)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def short_id(self) -> str:
+        return self.swarm.peer_id[-6:] if self.swarm else "solo"
+
+    def _maybe_sync(self, trainer: Trainer) -> None:
+        if trainer.step % self.cfg.sync.every:
+            return
+        start = time.perf_counter()
+        report = self.sync.round(trainer.step, trainer.tokens, trainer.tokens - self._tokens_at_round)
+        self.blocked_seconds += time.perf_counter() - start
+        self._tokens_at_round = trainer.tokens
+        trainer.rounds = report.round_id
+        logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} at step {trainer.step}: "
+                    f"shared group {report.group_size}, experts synced {len(report.experts_synced)}, "
+                    f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "
+                    f"adopted {report.adopted or 'none'}, {report.seconds:.2f}s")
+
+    def run(self) -> None:
+        self.trainer.run()
+
+    def shutdown(self) -> None:
+        """Leave the swarm cleanly (record withdrawn, averager and DHT stopped). Idempotent."""
+        if self.sync is not None:
+            self.sync.shutdown()
+        elif self.swarm is not None:
+            self.swarm.shutdown(withdraw=False)
+        self.sync = None
+        self.swarm = None
+
+    def __enter__(self) -> "PeerNode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,207 @@
+"""Joining a run's DHT and keeping expert ownership in it (SPEC §1 "Ownership", §2).
+
+Each peer stores one record under the run's key `{run_id}_peers`, subkey = its peer ID, value = the experts it
+owns plus its progress, with an expiration; a heartbeat thread refreshes it. These records are the only
+swarm-wide state: coverage (who owns what), live peers, and the round counter are all read from them.
+Values in the DHT are msgpack (hivemind's serializer), never pickle; records from other peers are validated
+before use because any peer can write any subkey.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """Could not start or join the swarm; the message names the cause (bad multiaddr, unreachable peer, ...)."""
+
+
+@dataclass
+class PeerRecord:
+    """What one peer publishes about itself."""
+
+    peer_id: str
+    experts: list[int]
+    round: int = 0
+    step: int = 0
+    tokens: int = 0
+
+    def to_value(self) -> dict[str, Any]:
+        return {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any, num_experts: int) -> "PeerRecord | None":
+        """Parse a DHT value written by another peer; None if it is malformed or out of range."""
+        if not isinstance(value, dict):
+            return None
+        experts, counters = value.get("experts"), [value.get(k, 0) for k in ("round", "step", "tokens")]
+        if not isinstance(experts, list) or len(experts) > num_experts:
+            return None
+        if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < num_experts for e in experts):
+            return None
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**62 for c in counters):
+            return None
+        return cls(peer_id, sorted(set(experts)), *counters)
+
+
+def _is_peer_id(text: str) -> bool:
+    try:
+        PeerID.from_base58(text)
+        return True
+    except Exception:  # any peer can write any subkey: a garbage one is skipped, not trusted
+        return False
+
+
+def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+              announce_maddrs: Sequence[str] = (), identity_path: str | None = None) -> hivemind.DHT:
+    """Start a DHT node (joining `initial_peers` if given); SwarmError with the daemon's reason on failure."""
+    kwargs: dict[str, Any] = {"initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs), "start": True}
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    if identity_path:
+        kwargs["identity_path"] = identity_path
+    try:
+        return hivemind.DHT(**kwargs)
+    except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
+        reason = " ".join(str(e).split()) or type(e).__name__
+        if "bootstrap" in reason and initial_peers:
+            reason = f"cannot reach any initial peer ({', '.join(initial_peers)}): {reason}"
+        raise SwarmError(reason) from None
+
+
+def least_covered(coverage: dict[int, int], count: int) -> list[int]:
+    """The `count` experts with the fewest owners; ties go to the lowest index (deterministic everywhere)."""
+    return sorted(sorted(coverage), key=lambda e: (coverage[e], e))[:count]
+
+
+def adoption_rank(peer_id: str, expert: int) -> bytes:
+    # Every peer evaluates the same rule on the same records, so one peer (not all of them) adopts an orphan.
+    return hashlib.sha256(f"{peer_id}:{expert}".encode()).digest()
+
+
+@dataclass
+class Swarm:
+    """One peer's membership in a run: its DHT node, its ownership record and a heartbeat."""
+
+    dht: hivemind.DHT
+    run_id: str
+    num_experts: int
+    ttl: float = 30.0
+    record: PeerRecord = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.peer_id = str(self.dht.peer_id)
+        self.key = f"{self.run_id}_peers"
+        self.record = PeerRecord(self.peer_id, [])
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    # ---- records ------------------------------------------------------------------------------------------
+
+    def publish(self, **changes: Any) -> None:
+        """Update and store this peer's record (experts / round / step / tokens)."""
+        with self._lock:
+            for name, value in changes.items():
+                setattr(self.record, name, sorted(value) if name == "experts" else value)
+            value = self.record.to_value()
+        self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=get_dht_time() + self.ttl)
+
+    def withdraw(self) -> None:
+        """Remove this peer's record now (a clean leave: others adopt its experts without waiting for expiry)."""
+        # The DHT keeps the value with the latest expiration per subkey, so the tombstone (an empty expert
+        # list, which readers skip) must expire later than the record it replaces.
+        with self._lock:
+            self.record.experts = []
+        self.dht.store(self.key, subkey=self.peer_id, value={"experts": [], "round": 0, "step": 0, "tokens": 0},
+                       expiration_time=get_dht_time() + self.ttl + 1.0)
+
+    def peers(self) -> dict[str, PeerRecord]:
+        """Live peers' records (ours included once published)."""
+        found = self.dht.get(self.key, latest=True)
+        records: dict[str, PeerRecord] = {}
+        if found is None or not isinstance(found.value, dict):
+            return records
+        now = get_dht_time()
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            expiration = getattr(item, "expiration_time", 0)
+            if not isinstance(subkey, str) or expiration < now or not _is_peer_id(subkey):
+                continue
+            record = PeerRecord.from_value(subkey, value, self.num_experts)
+            if record is not None and record.experts:
+                records[subkey] = record
+        return records
+
+    def coverage(self, records: dict[str, PeerRecord] | None = None) -> dict[int, list[str]]:
+        """expert -> peer IDs that own it (live records only)."""
+        records = self.peers() if records is None else records
+        owners: dict[int, list[str]] = {e: [] for e in range(self.num_experts)}
+        for peer_id, record in records.items():
+            for e in record.experts:
+                owners[e].append(peer_id)
+        return owners
+
+    def choose_auto(self, count: int) -> list[int]:
+        """Experts for `--experts auto`: the least-covered ones at join time."""
+        coverage = {e: len(o) for e, o in self.coverage().items()}
+        return sorted(least_covered(coverage, count))
+
+    def orphans_to_adopt(self, owned: Iterable[int], max_owned: int,
+                         records: dict[str, PeerRecord] | None = None) -> list[int]:
+        """Experts with no live owner that this peer should adopt, within `max_owned` experts in total.
+
+        Among the live peers with room left, the one ranked first by adoption_rank(peer, expert) adopts it.
+        """
+        records = self.peers() if records is None else records
+        owned = set(owned)
+        records = dict(records)
+        records[self.peer_id] = PeerRecord(self.peer_id, sorted(owned))
+        coverage = self.coverage(records)
+        load = {p: len(r.experts) for p, r in records.items()}
+        adopt: list[int] = []
+        for expert in sorted(e for e, o in coverage.items() if not o):
+            candidates = [p for p in records if load[p] < max_owned]
+            if not candidates:
+                break
+            winner = min(candidates, key=lambda p: adoption_rank(p, expert))
+            load[winner] += 1
+            if winner == self.peer_id:
+                adopt.append(expert)
+        return adopt
+
+    # ---- heartbeat ----------------------------------------------------------------------------------------
+
+    def start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(self.ttl / 3):
+                try:
+                    self.publish()
+                except Exception as e:  # a failed store must not kill the heartbeat; the next one retries
+                    logger.warning(f"heartbeat failed: {e}")
+        self._heartbeat = threading.Thread(target=beat, name="spes-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def shutdown(self, withdraw: bool = True) -> None:
+        """Stop the heartbeat, withdraw the record (unless the DHT is already gone) and stop the DHT node."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        if withdraw and self.dht.is_alive():
+            try:
+                self.withdraw()
+            except Exception as e:
+                logger.warning(f"could not withdraw ownership record: {e}")
+        self.dht.shutdown()

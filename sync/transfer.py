@@ -1,0 +1,437 @@
+"""Owner-to-non-owner expert transfer over one hivemind P2P handler keyed by expert ID (SPEC §2b, issue 3 step 3).
+
+Each peer runs one `ExpertExchange`: it serves the experts it published for recent sync rounds and fetches other
+owners' experts, all through a single streaming rpc handler (not one averager per expert). Wire format:
+
+- request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")`;
+- response stream of `runtime_pb2.ExpertResponse`: first message `metadata` = MSGPack `{"names": [...],
+  "round": r}` (or `{"error": "missing" | "bad request" | "internal"}` and the stream ends), then the tensors,
+  each serialized with hivemind's codecs and cut into parts by `split_for_streaming` (so tensors bigger than
+  a p2p message work), several parts per message.
+
+Nothing received is unpickled: metadata is MSGPack, tensors go through hivemind's deserializers (or the local
+8-bit decoder below). Fetched tensors are *not* validated here; callers run `sync.validate.validate_tensors`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+import threading
+from contextlib import suppress
+from typing import AsyncIterator
+
+import numpy as np
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.logging import get_logger
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from sync.validate import RejectCounter
+
+logger = get_logger(__name__)
+
+_CT = runtime_pb2.CompressionType
+# UNIFORM_8BIT works on any float tensor (bf16 included) with torch alone; BLOCKWISE_8BIT needs bitsandbytes.
+COMPRESSION_TYPES = {"none": _CT.NONE, "fp16": _CT.FLOAT16, "8bit": _CT.UNIFORM_8BIT}
+# Below this size the 8-bit codebook (256 fp32 + 8 bytes) costs more than it saves: send 16-bit instead.
+MIN_8BIT_NUMEL = 4096
+# 16 parts of hivemind's 64 KiB streaming chunk = 1 MiB per message: fewer Python round trips per tensor.
+PARTS_PER_MESSAGE = 16
+# A hostile server could stream forever inside the timeout; cap what one fetch may buffer.
+DEFAULT_MAX_FETCH_BYTES = 16 * 2**30
+_QUANTIZED = (_CT.UNIFORM_8BIT, _CT.QUANTILE_8BIT)
+_ACCEPTED_COMPRESSION = (_CT.NONE, _CT.FLOAT16, _CT.MEANSTD_16BIT, *_QUANTIZED)
+_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
+_ACCEPTED_DTYPES = set(_FLOAT_DTYPES) | {"int8", "int16", "int32", "int64", "uint8", "bool"}
+# ASCII digits only ("\d" would accept other scripts' digits); the length bound keeps int() cheap.
+_UID_RE = re.compile(r"([0-9]{1,9})@([0-9]{1,18})")
+_MAX_NAMES, _MAX_NAME_LEN = 100_000, 1_000
+
+
+class MalformedResponse(ValueError):
+    """The remote peer answered with something that is not a well-formed expert."""
+
+
+def _serialize_tensor(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
+    """Serialize with the configured codec, choosing a cheaper or safe fallback where the codec does not fit."""
+    if compression == _CT.UNIFORM_8BIT and tensor.is_floating_point() and tensor.numel() >= MIN_8BIT_NUMEL:
+        with suppress(Exception):  # the codec may fail on odd values; 16-bit below is always possible
+            return serialize_torch_tensor(tensor, _CT.UNIFORM_8BIT)
+    if not tensor.is_floating_point() or compression == _CT.NONE and tensor.dtype != torch.bfloat16:
+        return serialize_torch_tensor(tensor, _CT.NONE)
+    if tensor.dtype == torch.bfloat16:
+        # Already 16 bits: send the raw bits (exact). hivemind's own NONE codec would widen bf16 to fp32 unless
+        # USE_LEGACY_BFLOAT16=0, and its FLOAT16 codec refuses bf16; its NONE decoder reads this form either way.
+        return runtime_pb2.Tensor(compression=_CT.NONE, buffer=tensor.view(torch.int16).numpy().tobytes(),
+                                  size=tensor.shape, dtype="bfloat16")
+    if tensor.dtype == torch.float16:
+        return serialize_torch_tensor(tensor, _CT.NONE)
+    return serialize_torch_tensor(tensor, _CT.FLOAT16)
+
+
+def extract_quantized(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """Decode a UNIFORM_8BIT / QUANTILE_8BIT tensor: [int64 n][n fp32 codebook][uint8 indices].
+
+    hivemind 1.1.12's own `Quantization.extract` calls int() on a 1-element array, which the installed numpy 2.4 refuses,
+    so every 8-bit tensor fails to decode there; this is the same format, decoded with bounds checks.
+    """
+    buffer = serialized.buffer
+    if len(buffer) < 8 or serialized.dtype not in _FLOAT_DTYPES:
+        raise MalformedResponse("bad 8-bit tensor header")
+    codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+    if not 0 < codebook_size <= 256 or len(buffer) < 8 + 4 * codebook_size:
+        raise MalformedResponse(f"bad 8-bit codebook size {codebook_size}")
+    codebook = torch.as_tensor(np.frombuffer(buffer, offset=8, count=codebook_size, dtype=np.float32).copy())
+    indices = torch.as_tensor(np.frombuffer(buffer, offset=8 + 4 * codebook_size, dtype=np.uint8).copy())
+    shape = tuple(serialized.size)
+    if int(np.prod(shape, dtype=np.int64)) != indices.numel():
+        raise MalformedResponse("8-bit tensor size does not match its payload")
+    # An index past a short codebook raises IndexError in the lookup: the caller treats that as malformed.
+    return codebook.to(_FLOAT_DTYPES[serialized.dtype])[indices.long()].reshape(shape)
+
+
+def patch_hivemind_8bit_decoder() -> None:
+    """Make hivemind's own 8-bit decoder (used inside averagers) work on numpy 2; idempotent.
+
+    Call before starting a DecentralizedAverager with an 8-bit codec: averagers are forked processes and
+    inherit the patched class.
+    """
+    from hivemind.compression.quantization import Quantization
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return extract_quantized(serialized_tensor).requires_grad_(serialized_tensor.requires_grad)
+
+    Quantization.extract = extract  # BlockwiseQuantization keeps its own extract (bitsandbytes format)
+
+
+def _deserialize_parts(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
+    """Reassemble one streamed tensor and decode it; any inconsistency raises MalformedResponse."""
+    head = parts[0]
+    if head.compression not in _ACCEPTED_COMPRESSION or head.dtype not in _ACCEPTED_DTYPES:
+        raise MalformedResponse(f"unsupported tensor encoding {head.compression}/{head.dtype[:32]!r}")
+    if len(parts) != max(head.chunks, 1):
+        raise MalformedResponse(f"tensor announced {head.chunks} parts, got {len(parts)}")
+    serialized = combine_from_streaming(parts)
+    try:
+        if serialized.compression in _QUANTIZED:
+            tensor = extract_quantized(serialized)
+        else:
+            tensor = deserialize_torch_tensor(serialized)
+    except MalformedResponse:
+        raise
+    except Exception as e:  # numpy / torch errors on inconsistent sizes or buffers
+        raise MalformedResponse(f"undecodable tensor: {type(e).__name__}: {str(e)[:200]}") from None
+    # The sender chooses requires_grad on the wire; a received value must never join an autograd graph.
+    return tensor.detach().requires_grad_(False)
+
+
+def _parse_uid(uid: str) -> tuple[int, int] | None:
+    match = _UID_RE.fullmatch(uid) if isinstance(uid, str) and len(uid) <= 32 else None
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _parse_metadata(raw: bytes) -> dict:
+    if not raw:
+        raise MalformedResponse("first message carries no metadata")
+    try:
+        meta = MSGPackSerializer.loads(raw)
+    except Exception as e:
+        raise MalformedResponse(f"undecodable metadata: {type(e).__name__}") from None
+    if not isinstance(meta, dict):
+        raise MalformedResponse("metadata is not a map")
+    if "error" in meta:
+        if not isinstance(meta["error"], str):
+            raise MalformedResponse("metadata error is not a string")
+        return meta
+    names, round_id = meta.get("names"), meta.get("round")
+    if (not isinstance(names, list) or len(names) > _MAX_NAMES
+            or not all(isinstance(n, str) and len(n) <= _MAX_NAME_LEN for n in names)
+            or len(set(names)) != len(names)):
+        raise MalformedResponse("metadata names are not a list of distinct strings")
+    if not isinstance(round_id, int) or isinstance(round_id, bool):
+        raise MalformedResponse("metadata round is not an int")
+    return meta
+
+
+class _Entry:
+    """One published (expert, round): CPU snapshot until first served, then only its serialized form."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        self.names = names
+        self.tensors: list[torch.Tensor] | None = tensors
+        self.serialized: list[runtime_pb2.Tensor] | None = None
+        self.job: asyncio.Future | None = None  # touched only on the exchange's loop thread
+
+
+class _ExpertServicer(ServicerBase):
+    """The one rpc handler; the handle name is `{namespace}::_ExpertServicer.rpc_get_expert`."""
+
+    def __init__(self, exchange: "ExpertExchange") -> None:
+        self.exchange = exchange
+
+    async def rpc_get_expert(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for message in self.exchange._serve(request.uid):
+            yield message
+
+
+class ExpertExchange:
+    """Serves this peer's published experts and fetches other peers' experts through one P2P handler.
+
+    namespace: the run_id, so handlers of different runs on one DHT never collide.
+    compression: none | fp16 | 8bit (hivemind NONE / FLOAT16 / UNIFORM_8BIT) for everything this peer serves.
+    keep_rounds: how many newest rounds per expert stay available to fetchers.
+    rejects: where malformed responses are counted (reason "malformed"); a fresh counter if omitted.
+    """
+
+    def __init__(self, dht: DHT, namespace: str, compression: str = "none", keep_rounds: int = 2,
+                 rejects: RejectCounter | None = None, start_timeout: float = 30.0,
+                 max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES) -> None:
+        if compression not in COMPRESSION_TYPES:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSION_TYPES)}, got {compression!r}")
+        if keep_rounds < 1:
+            raise ValueError(f"keep_rounds must be >= 1, got {keep_rounds}")
+        self.namespace, self.compression, self.keep_rounds = namespace, compression, keep_rounds
+        self.rejects = rejects if rejects is not None else RejectCounter()
+        self.max_fetch_bytes = max_fetch_bytes
+        self._codec = COMPRESSION_TYPES[compression]
+        self._lock = threading.Lock()
+        self._store: dict[int, dict[int, _Entry]] = {}
+        self._bytes = {"sent": {"expert": 0}, "received": {"expert": 0}}
+        self._servicer = _ExpertServicer(self)
+        self._p2p: P2P | None = None
+        self._closed = False
+        # Codec work runs here, off the event loop, so one big tensor does not stall other transfers.
+        self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="expert-codec")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name=f"expert-exchange-{namespace}", daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._astart(dht), self._loop).result(timeout=start_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.peer_id: PeerID = self._p2p.peer_id
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    async def _astart(self, dht: DHT) -> None:
+        # A private P2P replica, not dht.replicate_p2p() (cached per DHT object): other components replicating
+        # on their own event loops are then not bound to this loop, and our shutdown does not close theirs.
+        get_maddr = DHT._get_p2p_daemon_listen_maddr  # what dht.replicate_p2p() itself asks the DHT process
+        maddr = await asyncio.get_running_loop().run_in_executor(None, dht.run_coroutine, get_maddr)
+        self._p2p = await P2P.replicate(maddr)
+        await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
+
+    # ---- serving -------------------------------------------------------------------------------------------
+
+    def publish(self, round_id: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Make `expert` as of `round_id` fetchable; takes CPU snapshots, keeps the newest keep_rounds rounds."""
+        names = list(tensors)
+        # One copy now (the model keeps training in place); contiguous so serialization is a plain memcpy.
+        snapshot = [tensors[n].detach().to("cpu", copy=True).contiguous() for n in names]
+        with self._lock:
+            rounds = self._store.setdefault(int(expert), {})
+            rounds[int(round_id)] = _Entry(names, snapshot)
+            for old in sorted(rounds)[:-self.keep_rounds]:
+                del rounds[old]
+
+    def published(self, expert: int) -> int | None:
+        """The newest round published for `expert`, or None."""
+        with self._lock:
+            rounds = self._store.get(int(expert))
+            return max(rounds) if rounds else None
+
+    def _serialize_entry(self, entry: _Entry) -> list[runtime_pb2.Tensor]:
+        serialized = [_serialize_tensor(t, self._codec) for t in entry.tensors]
+        entry.serialized, entry.tensors = serialized, None  # keep one form only: the serialized one is served
+        return serialized
+
+    async def _serialized(self, entry: _Entry) -> list[runtime_pb2.Tensor]:
+        if entry.serialized is not None:
+            return entry.serialized
+        if entry.job is None:  # concurrent requests for the same expert share one serialization
+            entry.job = asyncio.get_running_loop().run_in_executor(self._executor, self._serialize_entry, entry)
+        return await asyncio.shield(entry.job)
+
+    async def _serve(self, uid: str) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The response stream for one request; never raises (a hostile request only ends its own stream)."""
+        def error(kind: str) -> runtime_pb2.ExpertResponse:
+            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": kind}))
+
+        parsed = _parse_uid(uid)
+        if parsed is None:
+            logger.debug(f"Refusing malformed expert request uid {uid[:40]!r}")
+            yield error("bad request")
+            return
+        expert, round_id = parsed
+        with self._lock:
+            entry = self._store.get(expert, {}).get(round_id)
+        if entry is None:
+            yield error("missing")
+            return
+        try:
+            serialized = await self._serialized(entry)
+        except Exception as e:
+            logger.warning(f"Cannot serialize expert {expert}@{round_id}: {e!r}")
+            yield error("internal")
+            return
+        yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": entry.names, "round": round_id}))
+        batch: list[runtime_pb2.Tensor] = []
+        for tensor in serialized:
+            for part in split_for_streaming(tensor):
+                batch.append(part)
+                if len(batch) >= PARTS_PER_MESSAGE:
+                    yield runtime_pb2.ExpertResponse(tensors=batch)
+                    self._count("sent", sum(len(p.buffer) for p in batch))  # counted once actually sent
+                    batch = []
+        if batch:
+            yield runtime_pb2.ExpertResponse(tensors=batch)
+            self._count("sent", sum(len(p.buffer) for p in batch))
+
+    # ---- fetching ------------------------------------------------------------------------------------------
+
+    def fetch_async(self, peer: PeerID, expert: int, round_id: int, timeout: float) -> concurrent.futures.Future:
+        """Start fetching `expert@round_id` from `peer`; the future gives a name->tensor dict or None.
+
+        The future never raises; it is cancelled only if the exchange shuts down mid-fetch.
+        """
+        if self._closed:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return asyncio.run_coroutine_threadsafe(self._fetch(peer, int(expert), int(round_id), timeout), self._loop)
+
+    def fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float) -> dict[str, torch.Tensor] | None:
+        """Blocking fetch (from any thread but the exchange's own); None if unavailable, late or malformed."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("ExpertExchange.fetch would deadlock on its own loop; use fetch_async")
+        future = self.fetch_async(peer, expert, round_id, timeout)
+        try:
+            # _fetch bounds itself by `timeout`; the margin covers scheduling on a busy machine.
+            return future.result(timeout=timeout + 5.0)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            return None
+
+    async def _fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float) -> dict[str, torch.Tensor] | None:
+        what = f"expert {expert}@{round_id} from {peer}"
+        try:
+            return await asyncio.wait_for(self._fetch_unbounded(peer, f"{expert}@{round_id}", round_id), timeout)
+        except asyncio.TimeoutError:
+            logger.debug(f"Timed out fetching {what} after {timeout:.1f}s")
+        except MalformedResponse as e:
+            self.rejects.add("malformed")
+            logger.warning(f"Refused malformed {what}: {e}")
+        except Exception as e:  # unreachable peer, no handler there, broken connection
+            logger.debug(f"Could not fetch {what}: {type(e).__name__}: {e}")
+        return None
+
+    async def _request(self, peer: PeerID, uid: str) -> tuple[dict, list[list[runtime_pb2.Tensor]]]:
+        """Send one raw request; return (metadata, parts grouped per tensor). Unbounded: callers add a timeout."""
+        stub = _ExpertServicer.get_stub(self._p2p, peer, namespace=self.namespace)
+        stream = await stub.rpc_get_expert(runtime_pb2.ExpertRequest(uid=uid))
+        meta: dict | None = None
+        groups: list[list[runtime_pb2.Tensor]] = []
+        received = 0
+        try:
+            async for message in stream:
+                if meta is None:
+                    meta = _parse_metadata(message.metadata)
+                    if "error" in meta:
+                        return meta, []
+                elif message.metadata:
+                    raise MalformedResponse("metadata after the first message")
+                for part in message.tensors:
+                    received += len(part.buffer)
+                    self._count("received", len(part.buffer))
+                    if received > self.max_fetch_bytes:
+                        raise MalformedResponse(f"response exceeds {self.max_fetch_bytes} bytes")
+                    if part.dtype:  # hivemind's streaming marks the first part of each tensor by its dtype
+                        groups.append([part])
+                    elif groups:
+                        groups[-1].append(part)
+                    else:
+                        raise MalformedResponse("continuation part before any tensor header")
+        finally:
+            with suppress(Exception):
+                await stream.aclose()
+        if meta is None:
+            raise MalformedResponse("empty response stream")
+        return meta, groups
+
+    async def _fetch_unbounded(self, peer: PeerID, uid: str, round_id: int) -> dict[str, torch.Tensor] | None:
+        meta, groups = await self._request(peer, uid)
+        if "error" in meta:
+            logger.debug(f"Peer {peer} has no expert {uid}: {meta['error'][:40]}")
+            return None
+        if meta["round"] != round_id:
+            raise MalformedResponse(f"asked for round {round_id}, got round {meta['round']}")
+        if len(groups) != len(meta["names"]):
+            raise MalformedResponse(f"{len(meta['names'])} names but {len(groups)} tensors")
+        loop = asyncio.get_running_loop()
+        tensors = await loop.run_in_executor(self._executor, lambda: [_deserialize_parts(g) for g in groups])
+        return dict(zip(meta["names"], tensors))
+
+    # ---- accounting and lifetime ---------------------------------------------------------------------------
+
+    def _count(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[direction]["expert"] += nbytes
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Tensor payload bytes served (after compression), by kind."""
+        with self._lock:
+            return dict(self._bytes["sent"])
+
+    @property
+    def bytes_received(self) -> dict[str, int]:
+        """Tensor payload bytes received (after compression), by kind, including refused responses."""
+        with self._lock:
+            return dict(self._bytes["received"])
+
+    async def _ashutdown(self) -> None:
+        if self._p2p is not None:
+            # The daemon may already be gone with its DHT: then there is nothing to unregister.
+            with suppress(Exception):
+                await asyncio.wait_for(self._servicer.remove_p2p_handlers(self._p2p, namespace=self.namespace), 3)
+            with suppress(Exception):
+                await self._p2p.shutdown()
+        # Fetches and streams still in flight end now (their futures are cancelled), so the loop can close.
+        current = asyncio.current_task()
+        pending = [t for t in asyncio.all_tasks() if t is not current]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    def shutdown(self) -> None:
+        """Stop serving, cancel fetches in flight, close the P2P replica and the loop thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._thread.is_alive():
+            with suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._ashutdown(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "ExpertExchange":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()

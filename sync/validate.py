@@ -1,0 +1,95 @@
+"""Validation of tensors received from other peers, before they touch the model (SPEC §1, issue 3 step 4).
+
+A peer on the network may be buggy or hostile: anything it sends is checked against the local copy (names,
+shapes, dtype, finiteness, norm). Validation is all-or-nothing per expert, because a half-updated expert is
+worse than a stale one. Refusals are counted by reason for the `spes_rejected_tensors_total` metric.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+# "malformed" is a response that could not even be decoded into named tensors (counted by sync.transfer);
+# the others are produced by validate_tensors.
+REJECT_REASONS = ("missing", "shape", "dtype", "nonfinite", "norm", "malformed")
+
+
+class RejectCounter:
+    """Thread-safe counts of refused receptions per reason (fetches run on a background thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
+
+    def add(self, reason: str, n: int = 1) -> None:
+        """Count `n` refusals for `reason` (one of REJECT_REASONS)."""
+        if reason not in self._counts:
+            # A typo here would silently create a metric label nobody watches.
+            raise ValueError(f"unknown reject reason {reason!r}; expected one of {REJECT_REASONS}")
+        with self._lock:
+            self._counts[reason] += n
+
+    def counts(self) -> dict[str, int]:
+        """A snapshot {reason: count} including zero counts."""
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self) -> int:
+        """All refusals so far."""
+        with self._lock:
+            return sum(self._counts.values())
+
+
+def _norm_fp32(tensor: torch.Tensor) -> float:
+    # vector_norm(dtype=fp32) upcasts bf16/fp16 on the fly: at most one temporary, none for fp32 input.
+    # It refuses to narrow fp64, which gets one explicit fp32 copy instead.
+    tensor = tensor.detach()
+    if tensor.dtype == torch.float64:
+        tensor = tensor.to(torch.float32)
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
+
+
+def validate_tensors(
+    received: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    max_norm_ratio: float = 10.0,
+    norm_floor: float = 1e-3,
+) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """Check `received` against the local `reference` copy of the same expert / tensor group.
+
+    Returns (tensors cast to each reference's dtype and device, None) when every tensor passes, else
+    (None, reason) with reason in REJECT_REASONS. The reference is only read, never modified.
+    A tensor's L2 norm must be <= max_norm_ratio * max(norm(reference), norm_floor * sqrt(numel)): the floor
+    keeps a zero-initialized reference from refusing every update.
+    """
+    if not isinstance(received, dict) or set(received) != set(reference):
+        return None, "missing"
+    # Cheap structural checks on every tensor first, so a wrong-shaped expert costs no norm computation.
+    for name, ref in reference.items():
+        tensor = received[name]
+        if not isinstance(tensor, torch.Tensor):
+            return None, "dtype"
+        if tuple(tensor.shape) != tuple(ref.shape):
+            return None, "shape"
+        # is_floating_point is False for integer, bool and complex dtypes: all refused.
+        if not tensor.is_floating_point():
+            return None, "dtype"
+    for name, ref in reference.items():
+        tensor = received[name]
+        norm = _norm_fp32(tensor)
+        if not math.isfinite(norm):
+            # An infinite norm is either a NaN/Inf element or finite values whose squares overflow fp32;
+            # only the first is "nonfinite" (this second temporary exists only on this rare path).
+            if not bool(torch.isfinite(tensor).all()):
+                return None, "nonfinite"
+            return None, "norm"
+        bound = max_norm_ratio * max(_norm_fp32(ref), norm_floor * math.sqrt(max(ref.numel(), 1)))
+        if not norm <= bound:
+            return None, "norm"
+    out = {
+        name: received[name].detach().to(device=ref.device, dtype=ref.dtype).requires_grad_(False)
+        for name, ref in reference.items()
+    }
+    return out, None

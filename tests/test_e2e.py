@@ -1,0 +1,73 @@
+"""End to end with separate processes: hivemind's own `hivemind-dht` as the bootstrap node and three
+`python -m peer.run` peers on 127.0.0.1 that train, sync and exit 0, leaving no process behind."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, peer_cmd
+
+
+def _p2pd_pids() -> set[str]:
+    out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+def _start_bootstrap() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(["hivemind-dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        match = re.search(r"--initial_peers (\S+)", line)
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError("hivemind-dht did not print its address")
+
+
+@pytest.mark.slow
+def test_three_peer_processes_through_hivemind_dht(tmp_path):
+    before = _p2pd_pids()
+    bootstrap, maddr = _start_bootstrap()
+    peers: list[subprocess.Popen] = []
+    try:
+        for i in range(3):
+            run_dir = tmp_path / f"peer{i}"
+            peers.append(subprocess.Popen(
+                peer_cmd("--config", "configs/tiny.yaml", "--initial-peers", maddr,
+                         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-dir", str(run_dir), "--run-id", "e2e",
+                         "--max-steps", "40", "--sync-every", "10", "--set", "sync.matchmaking_time=2",
+                         "--set", "sync.round_timeout=30", "--set", "train.eval_every=0"),
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outputs = [p.communicate(timeout=400) for p in peers]
+        for p, (_, err) in zip(peers, outputs):
+            assert p.returncode == 0, err[-3000:]
+        owned = []
+        for i, (_, err) in enumerate(outputs):
+            records = [json.loads(l) for l in (tmp_path / f"peer{i}" / "metrics.jsonl").read_text().splitlines()]
+            assert records[-1]["step"] == 40 and records[-1]["rounds"] >= 3, records[-1]
+            owned.append(set(records[-1]["owned_experts"]))
+            assert re.search(r"shared group [23]", err), err[-3000:]
+        assert set().union(*owned) == {0, 1, 2, 3}
+    finally:
+        for p in peers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        bootstrap.terminate()
+        try:
+            bootstrap.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            bootstrap.kill()
+    deadline = time.time() + 15
+    while _p2pd_pids() - before and time.time() < deadline:
+        time.sleep(0.5)
+    assert not (_p2pd_pids() - before), "p2pd daemons left behind"

@@ -1,0 +1,191 @@
+"""SPES rounds between real hivemind peers on 127.0.0.1, several peers in one pytest process.
+
+Each peer is a DHT node + SparseSync (its averager and expert exchange) around its own SpesMoE. Local training is
+stood in for by seeded perturbations of what each peer trains, so the expected post-round values are exact."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.model import SpesMoE
+from sync.config import SyncConfig
+from sync.rounds import SparseSync
+from sync.swarm import Swarm, start_dht
+
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, top_k=2,
+                    expert_hidden=32, seq_len=16, frozen_expert_dtype="float32")
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@dataclass
+class Peer:
+    model: SpesMoE
+    swarm: Swarm
+    sync: SparseSync
+
+    def shutdown(self) -> None:
+        self.sync.shutdown()
+
+
+def _sync_cfg(**kw) -> SyncConfig:
+    base = dict(every=1, round_timeout=20.0, matchmaking_time=2.0, record_ttl=6.0)
+    base.update(kw)
+    return SyncConfig(**base)
+
+
+@pytest.fixture
+def swarm_factory():
+    peers: list[Peer] = []
+    first_maddrs: list[str] = []
+
+    def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True) -> Peer:
+        cfg = cfg or _sync_cfg()
+        dht = start_dht(first_maddrs, LOOPBACK)
+        if not first_maddrs:
+            first_maddrs.extend(str(m) for m in dht.get_visible_maddrs())
+        swarm = Swarm(dht, "test-run", MODEL.num_experts, ttl=cfg.record_ttl)
+        model = SpesMoE(MODEL, owned_experts=owned, seed=0)
+        peer = Peer(model, swarm, SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts))
+        peers.append(peer)
+        if join:
+            peer.sync.join(step=0, tokens=0)
+        return peer
+
+    try:
+        yield make
+    finally:
+        for peer in peers:
+            try:
+                peer.shutdown()
+            except Exception:
+                pass
+
+
+@torch.no_grad()
+def _local_training(peer: Peer, seed: int) -> None:
+    """Change what this peer trains (shared params, owned experts) as a few local steps would."""
+    g = torch.Generator().manual_seed(seed)
+    for _, p in peer.model.shared_parameters():
+        p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    for e in peer.model.owned_experts:
+        for bank in peer.model.expert_banks():
+            for name in ("gate_up_proj", "down_proj"):
+                t = getattr(bank.bank[e], name)
+                t.add_(torch.randn(t.shape, generator=g) * 0.01)
+
+
+def _shared(peer: Peer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in peer.model.shared_parameters()}
+
+
+def _experts(peer: Peer) -> dict[int, dict[str, torch.Tensor]]:
+    return {e: {k: v.clone() for k, v in peer.model.expert_tensors(e).items()} for e in range(MODEL.num_experts)}
+
+
+def _round_all(peers: list[Peer], tokens: int = 100) -> list:
+    reports: list = [None] * len(peers)
+
+    def run(i: int) -> None:
+        reports[i] = peers[i].sync.round(step=1, tokens=tokens, tokens_since_last=tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(peers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return reports
+
+
+def _assert_experts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for name in a:
+        torch.testing.assert_close(a[name].float(), b[name].float(), rtol=1e-6, atol=1e-6)
+
+
+def test_round_averages_shared_and_spreads_owned_experts(swarm_factory):
+    peers = [swarm_factory([0, 1]), swarm_factory([2]), swarm_factory([3])]
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=i)
+    shared_before = [_shared(p) for p in peers]
+    experts_before = [_experts(p) for p in peers]
+    owner_of = {0: 0, 1: 0, 2: 1, 3: 2}
+
+    reports = _round_all(peers)
+    assert [r.group_size for r in reports] == [3, 3, 3], reports
+    for peer in peers:
+        for name, value in _shared(peer).items():
+            mean = torch.stack([s[name] for s in shared_before]).mean(0)
+            torch.testing.assert_close(value, mean, rtol=1e-5, atol=1e-6)
+        for expert, owner in owner_of.items():
+            _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
+    coverage = peers[0].swarm.coverage()
+    assert all(len(owners) == 1 for owners in coverage.values())
+
+
+def test_diloco_mode_every_peer_owns_every_expert(swarm_factory):
+    peers = [swarm_factory([0, 1, 2, 3]) for _ in range(3)]
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=10 + i)
+    experts_before = [_experts(p) for p in peers]
+    reports = _round_all(peers)
+    assert all(r.group_size == 3 for r in reports)
+    for peer in peers:
+        for expert in range(MODEL.num_experts):
+            mean = {k: torch.stack([b[expert][k] for b in experts_before]).mean(0) for k in experts_before[0][expert]}
+            _assert_experts_equal(_experts(peer)[expert], mean)
+
+
+def test_hostile_expert_is_refused_counted_and_model_unchanged(swarm_factory):
+    honest, hostile = swarm_factory([0, 1, 2]), swarm_factory([3])
+    before = _experts(honest)[3]
+    evil = {k: torch.full_like(v, float("nan")) for k, v in hostile.model.expert_tensors(3).items()}
+    # The hostile peer serves NaNs for every round it claims (publish after its own round publish).
+    original_publish = hostile.sync.exchange.publish
+    hostile.sync.exchange.publish = lambda round_id, expert, tensors: original_publish(round_id, expert, evil)
+    reports = _round_all([honest, hostile])
+    assert reports[0].rejected == 1 and honest.sync.rejects.counts().get("nonfinite") == 1
+    assert 3 in reports[0].experts_missing
+    _assert_experts_equal(_experts(honest)[3], before)
+
+
+def test_dead_peer_does_not_block_and_its_experts_are_adopted(swarm_factory):
+    cfg = _sync_cfg(record_ttl=3.0)
+    a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b, c])
+    # c dies without leaving cleanly: no withdrawal, its processes just stop.
+    c.sync.shared.shutdown()
+    c.sync.exchange.shutdown()
+    c.swarm._stop.set()
+    c.swarm.dht.shutdown()
+    start = time.monotonic()
+    reports = _round_all([a, b])
+    assert time.monotonic() - start < cfg.round_timeout + 10
+    assert all(r.group_size == 2 for r in reports)
+    time.sleep(cfg.record_ttl + 1)  # c's record expires
+    reports = _round_all([a, b])
+    adopted = sorted(reports[0].adopted + reports[1].adopted)
+    assert adopted == [2, 3]
+    coverage = a.swarm.coverage()
+    assert all(len(owners) == 1 for owners in coverage.values()), coverage
+
+
+def test_late_joiner_downloads_the_swarm_state_and_joins_the_next_round(swarm_factory):
+    a, b = swarm_factory([0, 1]), swarm_factory([2, 3])
+    for i, peer in enumerate((a, b)):
+        _local_training(peer, seed=20 + i)
+    _round_all([a, b])
+    late = swarm_factory([1], join=False)
+    assert not all(torch.equal(x, y) for x, y in zip(_shared(late).values(), _shared(a).values()))
+    late.sync.join(step=0, tokens=0)
+    for name, value in _shared(late).items():
+        torch.testing.assert_close(value, _shared(a)[name])
+    for expert in range(MODEL.num_experts):
+        _assert_experts_equal(_experts(late)[expert], _experts(a if expert < 2 else b)[expert])
+    reports = _round_all([a, b, late])
+    assert all(r.group_size == 3 for r in reports)
+    # expert 1 now has two owners (a and the late joiner): both hold their mean
+    _assert_experts_equal(_experts(a)[1], _experts(late)[1])

@@ -1,0 +1,313 @@
+"""Expert transfer between real hivemind peers on 127.0.0.1 (sync.transfer) and received-tensor checks (sync.validate).
+
+Several DHTs run inside this pytest process, like hivemind's own tests; every DHT and exchange is shut down in
+fixtures so no p2pd process outlives the module.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import hivemind
+import pytest
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+
+from sync.transfer import ExpertExchange, patch_hivemind_8bit_decoder
+from sync.validate import REJECT_REASONS, RejectCounter, validate_tensors
+
+D_MODEL, HIDDEN = 64, 128
+
+
+def make_expert(seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
+    """Tensors named like SpesMoE.expert_tensors: layer 0 fp32 (owned storage), layer 1 bf16 (frozen storage)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(layers):
+        dtype = torch.float32 if layer % 2 == 0 else torch.bfloat16
+        out[f"layers.{layer}.gate_up_proj"] = (torch.randn(2 * HIDDEN, D_MODEL, generator=gen) * 0.02).to(dtype)
+        out[f"layers.{layer}.down_proj"] = (torch.randn(D_MODEL, HIDDEN, generator=gen) * 0.02).to(dtype)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    """Three connected DHT peers: A (bootstrap), B and C."""
+    started: list[hivemind.DHT] = []
+    try:
+        started.append(hivemind.DHT(start=True))
+        maddrs = started[0].get_visible_maddrs()
+        started.append(hivemind.DHT(initial_peers=maddrs, start=True))
+        started.append(hivemind.DHT(initial_peers=maddrs, start=True))
+        yield started
+    finally:
+        for dht in started:
+            dht.shutdown()
+        for dht in started:
+            dht.join(timeout=10)
+
+
+@pytest.fixture
+def make_exchange():
+    """Factory for exchanges; all of them are shut down after the test even if it fails."""
+    created: list[ExpertExchange] = []
+
+    def factory(dht: hivemind.DHT, namespace: str, cls: type = ExpertExchange, **kwargs) -> ExpertExchange:
+        exchange = cls(dht, namespace, **kwargs)
+        created.append(exchange)
+        return exchange
+
+    try:
+        yield factory
+    finally:
+        for exchange in created:
+            exchange.shutdown()
+
+
+def fresh_namespace() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def test_roundtrip_per_compression(dhts, make_exchange):
+    dht_a, dht_b, _ = dhts
+    expert = make_expert(0)
+    sizes = {}
+    for compression in ("none", "fp16", "8bit"):
+        ns = fresh_namespace()
+        a = make_exchange(dht_a, ns, compression=compression)
+        b = make_exchange(dht_b, ns, compression=compression)
+        a.publish(5, 3, expert)
+        assert a.published(3) == 5 and a.published(4) is None
+        got = b.fetch(a.peer_id, 3, 5, timeout=20)
+        assert got is not None and set(got) == set(expert)
+        for name, ref in expert.items():
+            assert got[name].shape == ref.shape and not got[name].requires_grad
+            if compression == "none":
+                assert got[name].dtype == ref.dtype and torch.equal(got[name], ref)
+            elif compression == "fp16":
+                torch.testing.assert_close(got[name].to(ref.dtype), ref, rtol=1e-3, atol=1e-5)
+            else:
+                err = (got[name].float() - ref.float()).norm() / ref.float().norm()
+                assert err < 0.1, (name, float(err))
+        sent, received = a.bytes_sent["expert"], b.bytes_received["expert"]
+        assert sent == received > 0
+        sizes[compression] = received
+    assert sizes["8bit"] < sizes["fp16"] < sizes["none"], sizes
+
+
+def test_missing_and_keep_rounds(dhts, make_exchange):
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns, keep_rounds=2)
+    b = make_exchange(dht_b, ns)
+    for round_id in (5, 6, 7):
+        a.publish(round_id, 3, make_expert(round_id))
+    assert a.published(3) == 7
+    t0 = time.monotonic()
+    assert b.fetch(a.peer_id, 3, 5, timeout=20) is None  # dropped: only rounds 6 and 7 kept
+    assert b.fetch(a.peer_id, 3, 8, timeout=20) is None  # not published yet
+    assert b.fetch(a.peer_id, 4, 7, timeout=20) is None  # never published
+    assert time.monotonic() - t0 < 5.0
+    for round_id in (6, 7):
+        got = b.fetch(a.peer_id, 3, round_id, timeout=20)
+        assert got is not None and torch.equal(got["layers.0.down_proj"], make_expert(round_id)["layers.0.down_proj"])
+    assert b.rejects.total() == 0  # "missing" answers are normal, not malformed
+
+
+def test_dead_peer_returns_none_within_timeout(dhts, make_exchange):
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    dht_d = hivemind.DHT(initial_peers=dht_a.get_visible_maddrs(), start=True)
+    try:
+        d = make_exchange(dht_d, ns)
+        b = make_exchange(dht_b, ns)
+        d.publish(1, 0, make_expert(1))
+        assert b.fetch(d.peer_id, 0, 1, timeout=20) is not None
+        d.shutdown()
+    finally:
+        dht_d.shutdown()
+        dht_d.join(timeout=10)
+    t0 = time.monotonic()
+    assert b.fetch(d.peer_id, 0, 1, timeout=3.0) is None
+    assert time.monotonic() - t0 < 3.0 + 1.0
+
+
+def test_20mb_tensor_streams(dhts, make_exchange):
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns)
+    b = make_exchange(dht_b, ns)
+    big = {"layers.0.gate_up_proj": torch.randn(5 * 2**20)}  # 20 MiB of fp32, far above one p2p message
+    a.publish(1, 2, big)
+    got = b.fetch(a.peer_id, 2, 1, timeout=30)
+    assert got is not None and torch.equal(got["layers.0.gate_up_proj"], big["layers.0.gate_up_proj"])
+    assert b.bytes_received["expert"] == 4 * 5 * 2**20
+
+
+def test_hostile_tensors_are_refused(dhts, make_exchange):
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns)
+    b = make_exchange(dht_b, ns)
+    reference = make_expert(7)
+    reference_before = {k: v.clone() for k, v in reference.items()}
+    nan = dict(reference, **{"layers.0.down_proj": torch.full((D_MODEL, HIDDEN), float("nan"))})
+    wrong_shape = dict(reference, **{"layers.0.down_proj": torch.zeros(D_MODEL, HIDDEN + 1)})
+    huge = dict(reference, **{"layers.1.gate_up_proj": torch.full((2 * HIDDEN, D_MODEL), 1e3)})
+    counter = RejectCounter()
+    for expert, (payload, reason) in enumerate([(nan, "nonfinite"), (wrong_shape, "shape"), (huge, "norm")]):
+        a.publish(1, expert, payload)
+        got = b.fetch(a.peer_id, expert, 1, timeout=20)
+        assert got is not None  # transfer is fine; validation is the caller's job
+        tensors, why = validate_tensors(got, reference)
+        assert tensors is None and why == reason
+        counter.add(why)
+    assert counter.counts() == {r: int(r in ("nonfinite", "shape", "norm")) for r in REJECT_REASONS}
+    assert counter.total() == 3
+    for name, value in reference.items():
+        assert torch.equal(value, reference_before[name])
+
+
+def test_malformed_requests_do_not_break_server(dhts, make_exchange):
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns)
+    b = make_exchange(dht_b, ns)
+    a.publish(1, 3, make_expert(3))
+    for uid in ("x@y", "", "999999999999999999999@1", "3@1@1", "-3@1", "٣@1", "3@1" * 100):
+        future = asyncio.run_coroutine_threadsafe(b._request(a.peer_id, uid), b._loop)
+        meta, groups = future.result(timeout=20)
+        assert meta == {"error": "bad request"} and groups == [], uid
+    assert b.fetch(a.peer_id, 3, 1, timeout=20) is not None
+
+
+class _HostileExchange(ExpertExchange):
+    """Answers every request with the response listed in `self.script` (metadata bytes, tensor parts)."""
+
+    script: list[runtime_pb2.ExpertResponse] = []
+    stall_s = 0.0
+
+    async def _serve(self, uid):
+        for message in self.script:
+            yield message
+        await asyncio.sleep(self.stall_s)
+
+
+def test_hostile_metadata_gives_none(dhts, make_exchange):
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns, cls=_HostileExchange)
+    b = make_exchange(dht_b, ns)
+    good_part = list(split_for_streaming(serialize_torch_tensor(torch.ones(4))))
+    cases = [
+        [runtime_pb2.ExpertResponse(metadata=b"\xc1garbage")],
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps([1, 2]))],
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": "ab", "round": 1}))],
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": "1"}))],
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a", "b"], "round": 1})),
+         runtime_pb2.ExpertResponse(tensors=good_part)],  # two names, one tensor
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 2})),
+         runtime_pb2.ExpertResponse(tensors=good_part)],  # not the round asked for
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
+         runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=b"\0" * 12, size=[4], dtype="object")])],
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
+         runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=b"\0" * 12, size=[4], dtype="float32")])],
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
+         runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(
+             compression=runtime_pb2.UNIFORM_8BIT, buffer=b"\x05" + b"\0" * 40, size=[4], dtype="float32")])],
+        [],  # empty stream
+    ]
+    for i, script in enumerate(cases):
+        _HostileExchange.script = script
+        assert b.fetch(a.peer_id, 0, 1, timeout=10) is None, i
+    assert b.rejects.counts()["malformed"] == len(cases)
+    _HostileExchange.script = [
+        runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
+        runtime_pb2.ExpertResponse(tensors=good_part),
+    ]
+    got = b.fetch(a.peer_id, 0, 1, timeout=10)
+    assert got is not None and torch.equal(got["a"], torch.ones(4))
+    # A server that sends the header and then stalls: the fetch gives up at its timeout, not later.
+    _HostileExchange.stall_s = 60.0
+    t0 = time.monotonic()
+    assert b.fetch(a.peer_id, 0, 1, timeout=1.0) is None
+    assert 1.0 <= time.monotonic() - t0 < 3.0
+    assert b.rejects.counts()["malformed"] == len(cases)  # a slow peer is not a hostile one
+
+
+def test_fetch_async_two_owners(dhts, make_exchange):
+    dht_a, dht_b, dht_c = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns, compression="fp16")
+    c = make_exchange(dht_c, ns, compression="8bit")
+    b = make_exchange(dht_b, ns)
+    a.publish(4, 1, make_expert(11))
+    c.publish(4, 2, make_expert(12))
+    futures = [b.fetch_async(a.peer_id, 1, 4, timeout=20), b.fetch_async(c.peer_id, 2, 4, timeout=20)]
+    results = [f.result(timeout=30) for f in futures]
+    for got, seed in zip(results, (11, 12)):
+        assert got is not None
+        ok, why = validate_tensors(got, make_expert(seed))
+        assert why is None and ok["layers.1.down_proj"].dtype == torch.bfloat16
+
+
+def test_shutdown_is_idempotent(dhts):
+    exchange = ExpertExchange(dhts[0], fresh_namespace())
+    exchange.shutdown()
+    exchange.shutdown()
+    assert not exchange._thread.is_alive()
+    assert exchange.fetch_async(exchange.peer_id, 0, 0, timeout=1).result() is None
+
+
+def test_patched_hivemind_8bit_decoder():
+    # hivemind 1.1.12's Quantization.extract fails on numpy 2 (int() of a 1-element array); averagers need the patch.
+    patch_hivemind_8bit_decoder()
+    tensor = torch.randn(10_000)
+    for dtype in (torch.float32, torch.bfloat16):
+        decoded = deserialize_torch_tensor(serialize_torch_tensor(tensor.to(dtype), runtime_pb2.UNIFORM_8BIT))
+        assert decoded.dtype == dtype and ((decoded.float() - tensor).norm() / tensor.norm()) < 0.05
+
+
+# ---- validate_tensors unit tests (no network) ----------------------------------------------------------------
+
+
+def test_validate_ok_casts_to_reference():
+    reference = make_expert(1)
+    received = {k: v.double() * 1.01 for k, v in reference.items()}
+    ok, why = validate_tensors(received, reference)
+    assert why is None
+    for name, ref in reference.items():
+        assert ok[name].dtype == ref.dtype and ok[name].device == ref.device
+        torch.testing.assert_close(ok[name].float(), (ref.double() * 1.01).to(ref.dtype).float())
+
+
+def test_validate_rejections():
+    reference = make_expert(2)
+    missing = dict(reference)
+    del missing["layers.0.down_proj"]
+    extra = dict(reference, extra=torch.zeros(1))
+    as_int = dict(reference, **{"layers.0.down_proj": torch.zeros(D_MODEL, HIDDEN, dtype=torch.int32)})
+    as_bool = dict(reference, **{"layers.0.down_proj": torch.zeros(D_MODEL, HIDDEN, dtype=torch.bool)})
+    inf = dict(reference, **{"layers.1.down_proj": torch.full((D_MODEL, HIDDEN), float("inf"), dtype=torch.bfloat16)})
+    overflow = dict(reference, **{"layers.0.down_proj": torch.full((D_MODEL, HIDDEN), 1e30)})  # squares overflow
+    for received, reason in [(missing, "missing"), (extra, "missing"), (as_int, "dtype"), (as_bool, "dtype"),
+                             (inf, "nonfinite"), (overflow, "norm")]:
+        assert validate_tensors(received, reference) == (None, reason)
+
+
+def test_validate_norm_floor_for_zero_reference():
+    reference = {"w": torch.zeros(100, 100)}
+    assert validate_tensors({"w": torch.full((100, 100), 1e-3)}, reference)[1] is None
+    assert validate_tensors({"w": torch.full((100, 100), 1.0)}, reference)[1] == "norm"
+
+
+def test_reject_counter_rejects_unknown_reason():
+    counter = RejectCounter()
+    counter.add("norm", 2)
+    assert counter.counts()["norm"] == 2 and counter.total() == 2
+    with pytest.raises(ValueError):
+        counter.add("typo")
