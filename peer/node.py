@@ -14,7 +14,7 @@ from hivemind.utils.logging import get_logger
 
 from peer.config import RunConfig
 from peer.train import Trainer
-from sync.rounds import SparseSync
+from sync.rounds import RoundReport, SparseSync
 from sync.swarm import Swarm, start_dht
 
 logger = get_logger(__name__)
@@ -30,6 +30,7 @@ class PeerNode:
         self.swarm: Swarm | None = None
         self.sync: SparseSync | None = None
         self.blocked_seconds = 0.0
+        self._started = time.perf_counter()
         self._tokens_at_round = 0
         data_seed = None
         if cfg.sync.every > 0:
@@ -49,6 +50,7 @@ class PeerNode:
                 self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens) or self.trainer.rounds
                 self._tokens_at_round = self.trainer.tokens
                 self.trainer.step_hooks.append(self._maybe_sync)
+                self.trainer.end_hooks.append(self._finish)
         except BaseException:
             self.shutdown()
             raise
@@ -58,17 +60,34 @@ class PeerNode:
         return self.swarm.peer_id[-6:] if self.swarm else "solo"
 
     def _maybe_sync(self, trainer: Trainer) -> None:
-        if trainer.step % self.cfg.sync.every:
-            return
+        """After every step: apply a finished round; every `sync.every` steps start the next one."""
         start = time.perf_counter()
-        report = self.sync.round(trainer.step, trainer.tokens, trainer.tokens - self._tokens_at_round)
+        self._log_round(self.sync.finish_round(block=False), trainer)
+        if trainer.step % self.cfg.sync.every == 0:
+            since = trainer.tokens - self._tokens_at_round
+            self._tokens_at_round = trainer.tokens
+            self._log_round(self.sync.start_round(trainer.step, trainer.tokens, since), trainer)
+            if not self.cfg.sync.overlap:
+                self._log_round(self.sync.finish_round(block=True), trainer)
         self.blocked_seconds += time.perf_counter() - start
-        self._tokens_at_round = trainer.tokens
+
+    def _finish(self, trainer: Trainer) -> None:
+        start = time.perf_counter()
+        self._log_round(self.sync.finish_round(block=True), trainer)
+        self.blocked_seconds += time.perf_counter() - start
+        wall = time.perf_counter() - self._started
+        logger.info(f"[{self.cfg.run_id} {self.short_id}] sync blocked the training loop {self.blocked_seconds:.2f}s "
+                    f"of {wall:.1f}s ({100 * self.blocked_seconds / max(wall, 1e-9):.1f}%)")
+
+    def _log_round(self, report: RoundReport | None, trainer: Trainer) -> None:
+        if report is None:
+            return
         trainer.rounds = report.round_id
-        logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} at step {trainer.step}: "
+        logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} applied at step {trainer.step}: "
                     f"shared group {report.group_size}, experts synced {len(report.experts_synced)}, "
                     f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "
-                    f"adopted {report.adopted or 'none'}, {report.seconds:.2f}s")
+                    f"adopted {report.adopted or 'none'}{', re-downloaded' if report.redownloaded else ''}, "
+                    f"{report.seconds:.2f}s ({report.blocked_seconds:.2f}s blocked)")
 
     def run(self) -> None:
         self.trainer.run()

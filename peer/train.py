@@ -38,8 +38,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_experts(spec: str, cfg: RunConfig) -> list[int]:
-    """Experts to own from --experts. Without a swarm every expert has zero coverage, so `auto` takes the
-    lowest indices (the deterministic tie-break the swarm's least-covered rule also uses)."""
+    """Experts to own from --experts without a swarm (sync.every: 0): `auto` takes the lowest indices."""
     num_experts = cfg.model.num_experts
     if spec == "auto":
         return list(range(default_experts_per_peer(cfg.sync, num_experts)))
@@ -81,6 +80,8 @@ class Trainer:
         self.rounds = 0
         self._stop = False
         self.step_hooks: list[Callable[["Trainer"], None]] = []
+        # Called once when the loop ends, before the final checkpoint (e.g. to apply an in-flight sync round).
+        self.end_hooks: list[Callable[["Trainer"], None]] = []
 
         if cfg.sync.experts == "auto" and ckpt_meta.get("owned_experts") is not None:
             owned = list(ckpt_meta["owned_experts"])  # continuing a run keeps what it owned
@@ -231,6 +232,8 @@ class Trainer:
                 last_saved = self.step
         if self._stop:
             logger.info(f"stop requested: finished step {self.step}")
+        for hook in self.end_hooks:
+            hook(self)
         if tcfg.checkpoint_every and last_saved != self.step:
             self.save_checkpoint()
 

@@ -38,6 +38,8 @@ class SyncConfig:
     matchmaking_time: float = 5.0
     # Seconds an ownership record lives without a heartbeat (a dead peer's experts are orphaned after this).
     record_ttl: float = 30.0
+    # Run a round's network part in the background while training continues (one-round-delayed update).
+    overlap: bool = True
     # A received tensor is refused if its L2 norm exceeds this multiple of the local copy's.
     max_norm_ratio: float = 10.0
     merge: MergeConfig = field(default_factory=MergeConfig)

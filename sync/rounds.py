@@ -1,17 +1,18 @@
 """SPES sync rounds for one peer (SPEC §1 "Sync every H local steps", §2b).
 
-A round, run by the peer every `sync.every` local steps:
-1. publish: the peer snapshots the experts it owns for this round (served to others by `ExpertExchange`) and
-   refreshes its DHT record (experts, round, step, tokens);
-2. shared tensors (embeddings, attention, norms, router, LM head) are averaged across live peers with one
-   hivemind `DecentralizedAverager`, weighted by tokens since the last round (`outer: nesterov` applies DiLoCo's
-   outer step to the averaged pseudo-gradient instead);
-3. every expert becomes the mean of its owners' round snapshots: a non-owner fetches them from the owners, an
-   owner fetches its co-owners' (replicas) — expert tensors travel only from owners, keyed by expert ID;
-4. every received tensor is validated first; a refused expert keeps its local copy and is counted;
-5. experts that lost every live owner are adopted (deterministic winner, within `max_experts_per_peer`).
+A round, started by the peer every `sync.every` local steps:
+1. publish (training thread): snapshot the shared tensors and the experts this peer owns; the expert snapshots
+   are served to others by `ExpertExchange`, and the DHT record gets the new round number;
+2. in a background thread, while training goes on: the shared snapshot is all-reduced with the live peers
+   (sync/shared.py, weights = tokens since the last round), then each expert's owners' snapshots are fetched
+   (a non-owner fetches its owners', an owner its co-owners') — expert tensors travel only from owners,
+   keyed by expert ID — and validated; a refused expert keeps its local copy and is counted;
+3. at a later step boundary (training thread) the results are applied as deltas against the snapshots
+   (one-round-delayed update), experts without a live owner are adopted, and a peer that fell more than one
+   round behind re-downloads the swarm's state instead of averaging stale values.
+`overlap: false` (or `round()`) does all of it at once, blocking.
 
-Background processes per peer: the DHT node and one averager (plus their p2pd daemons) — never one per expert.
+Background processes per peer: the DHT node and one averager (each with its p2pd) — never one per expert.
 """
 from __future__ import annotations
 
@@ -21,20 +22,19 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
-from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.utils.logging import get_logger
 
 from model.model import SpesMoE
 from sync.config import SyncConfig
+from sync.shared import SharedAverager
 from sync.swarm import PeerRecord, Swarm
-from sync.transfer import ExpertExchange, patch_hivemind_8bit_decoder
+from sync.transfer import ExpertExchange
 from sync.validate import RejectCounter, validate_tensors
 
 logger = get_logger(__name__)
 
-COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}
+Snapshot = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -42,94 +42,25 @@ class RoundReport:
     round_id: int
     group_size: int = 1                 # peers in the shared all-reduce (1: averaged with nobody)
     experts_synced: list[int] = field(default_factory=list)
-    experts_missing: list[int] = field(default_factory=list)  # no fresh copy could be had this round
+    experts_missing: list[int] = field(default_factory=list)  # owned elsewhere, but no usable copy arrived
     rejected: int = 0
     adopted: list[int] = field(default_factory=list)
-    seconds: float = 0.0
+    redownloaded: bool = False
+    seconds: float = 0.0                # wall time from start to apply
+    blocked_seconds: float = 0.0        # of which the training loop waited
 
 
-class SharedAverager:
-    """The shared (non-expert) tensors of the model in one DecentralizedAverager, with optional outer Nesterov."""
-
-    def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig):
-        self.cfg = cfg
-        self.params = [p for _, p in model.shared_parameters()]
-        if cfg.compression == "8bit":
-            patch_hivemind_8bit_decoder()  # before the averager process forks, so it inherits the fix
-        self.averager = DecentralizedAverager(
-            [p.detach().to("cpu", torch.float32).clone() for p in self.params], swarm.dht,
-            prefix=f"{swarm.run_id}_shared", start=True, min_group_size=2, target_group_size=None,
-            min_matchmaking_time=cfg.matchmaking_time, request_timeout=min(3.0, cfg.matchmaking_time / 2),
-            allreduce_timeout=cfg.round_timeout, next_chunk_timeout=min(10.0, cfg.round_timeout / 4),
-            compression=COMPRESSIONS[cfg.compression](), allow_state_sharing=True,
-        )
-        # DiLoCo's outer optimizer needs the params of the previous round (identical on every peer after a
-        # successful round) and a momentum buffer.
-        self.anchor = [p.detach().to("cpu", torch.float32).clone() for p in self.params] if cfg.outer == "nesterov" else None
-        self.momentum = [torch.zeros_like(a) for a in self.anchor] if self.anchor is not None else None
-
-    def payload_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
-
-    def average(self, weight: float, timeout: float) -> int:
-        """All-reduce the shared params with whoever is in this round; returns the group size (0 = failed)."""
-        with self.averager.get_tensors() as tensors:
-            for tensor, param in zip(tensors, self.params):
-                tensor.copy_(param.detach())
-        try:
-            gathered = self.averager.step(weight=max(weight, 1e-6), timeout=timeout)
-        except Exception as e:  # a peer died mid-round, matchmaking timed out, ...: keep local values
-            logger.warning(f"shared averaging failed this round: {type(e).__name__}: {e}")
-            gathered = None
-        if not gathered:
-            return 0
-        with self.averager.get_tensors() as tensors, torch.no_grad():
-            if self.anchor is None:
-                for tensor, param in zip(tensors, self.params):
-                    param.copy_(tensor)
-            else:
-                self._outer_step(tensors)
-        return len(gathered)
-
-    @torch.no_grad()
-    def _outer_step(self, averaged: list[torch.Tensor]) -> None:
-        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-        for anchor, buf, avg, param in zip(self.anchor, self.momentum, averaged, self.params):
-            pseudo_grad = anchor - avg
-            buf.mul_(mu).add_(pseudo_grad)
-            anchor.sub_(pseudo_grad.add(buf, alpha=mu), alpha=lr)
-            param.copy_(anchor)
-
-    def load_from_peers(self, timeout: float) -> bool:
-        """Late joiner: copy the shared tensors from a live peer's averager; False if none answered."""
-        try:
-            loaded = self.averager.load_state_from_peers(timeout=timeout)
-        except Exception as e:
-            logger.warning(f"could not download shared state: {e}")
-            return False
-        if loaded is None:
-            return False
-        _, tensors = loaded
-        if len(tensors) != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors, self.params)):
-            logger.warning("a peer sent shared state of the wrong shapes: ignored")
-            return False
-        if not all(torch.isfinite(t).all() for t in tensors):
-            logger.warning("a peer sent non-finite shared state: ignored")
-            return False
-        with torch.no_grad():
-            for tensor, param in zip(tensors, self.params):
-                param.copy_(tensor)
-        if self.anchor is not None:
-            for anchor, param in zip(self.anchor, self.params):
-                anchor.copy_(param.detach())
-        return True
-
-    def shutdown(self) -> None:
-        self.averager.shutdown()
+@dataclass
+class _Pending:
+    report: RoundReport
+    started: float
+    own_snapshots: dict[int, Snapshot]
+    future: concurrent.futures.Future   # -> (records, {expert: mean of owners' copies})
+    behind: bool = False
 
 
 class SparseSync:
-    """Drives SPES rounds for one peer; the caller (peer/) owns the training loop and calls `round()`."""
+    """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig,
                  set_owned: Callable[[list[int]], None], rejects: RejectCounter | None = None):
@@ -141,26 +72,37 @@ class SparseSync:
                                        rejects=self.rejects)
         self.shared = SharedAverager(model, swarm, cfg)
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spes-round")
+        self._pending: _Pending | None = None
+        # Experts seen with an owner: only these are adopted when orphaned (see Swarm.orphans_to_adopt).
+        self._seen_owned: set[int] = set(model.owned_experts)
 
     # ---- joining ------------------------------------------------------------------------------------------
 
     def join(self, step: int, tokens: int) -> int:
         """Publish ownership; if the swarm already has peers, download its state. Returns the swarm's round."""
-        others = {p: r for p, r in self.swarm.peers().items() if p != self.swarm.peer_id}
+        others = self._others()
         if others:
-            self.round_id = max(r.round for r in others.values())
-            if self.shared.load_from_peers(timeout=self.cfg.round_timeout):
-                logger.info("downloaded shared tensors from the swarm")
-            else:
-                logger.warning("no peer served the shared tensors: starting from the local init")
-            missing = self._pull_experts(others, want=set(range(self.model.cfg.num_experts)), own_snapshots={})
-            if missing:
-                logger.warning(f"experts not downloaded at join (kept local init): {missing}")
+            self._download_state(others)
         self._publish(step, tokens)
         self.swarm.start_heartbeat()
         return self.round_id
 
-    def _publish(self, step: int, tokens: int) -> dict[int, dict[str, torch.Tensor]]:
+    def _others(self, records: dict[str, PeerRecord] | None = None) -> dict[str, PeerRecord]:
+        records = self.swarm.peers() if records is None else records
+        return {p: r for p, r in records.items() if p != self.swarm.peer_id}
+
+    def _download_state(self, others: dict[str, PeerRecord]) -> None:
+        self.round_id = max(r.round for r in others.values())
+        if self.shared.load_from_peers(timeout=self.cfg.round_timeout):
+            logger.info(f"downloaded the shared tensors of round {self.round_id} from the swarm")
+        else:
+            logger.warning("no peer served the shared tensors: keeping the local ones")
+        means = self._fetch_means(others, set(range(self.model.cfg.num_experts)), own_snapshots={})
+        for expert, mean in means.items():
+            self.model.load_expert_tensors(expert, mean)
+
+    def _publish(self, step: int, tokens: int) -> dict[int, Snapshot]:
         snapshots = {}
         for expert in sorted(self.model.owned_experts):
             snapshots[expert] = {k: v.detach().to("cpu").clone() for k, v in self.model.expert_tensors(expert).items()}
@@ -168,38 +110,92 @@ class SparseSync:
         self.swarm.publish(experts=sorted(self.model.owned_experts), round=self.round_id, step=step, tokens=tokens)
         return snapshots
 
-    # ---- one round ----------------------------------------------------------------------------------------
+    # ---- rounds -------------------------------------------------------------------------------------------
 
     def round(self, step: int, tokens: int, tokens_since_last: int) -> RoundReport:
-        start = time.perf_counter()
+        """A whole round, blocking (start + finish)."""
+        self.start_round(step, tokens, tokens_since_last)
+        return self.finish_round(block=True)
+
+    def start_round(self, step: int, tokens: int, tokens_since_last: int) -> RoundReport | None:
+        """Snapshot and publish, then run the network part in the background. If the previous round is still
+        running it is finished first (blocking) and its report returned."""
+        previous = self.finish_round(block=True) if self._pending is not None else None
+        started = time.perf_counter()
         self.round_id += 1
         report = RoundReport(self.round_id)
-        snapshots = self._publish(step, tokens)
-        if any(p != self.swarm.peer_id for p in self.swarm.peers()):
-            report.group_size = max(1, self.shared.average(tokens_since_last, timeout=self.cfg.round_timeout))
+        self.shared.take_snapshot()
+        own = self._publish(step, tokens)
+        others = self._others()
+        behind = bool(others) and max(r.round for r in others.values()) > self.round_id + 1
+        future = self._worker.submit(self._network_part, report, own, tokens_since_last, bool(others) and not behind)
+        self._pending = _Pending(report, started, own, future, behind)
+        return previous
+
+    def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int,
+                      average: bool) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+        if average:
+            report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout))
         # Read the records after the all-reduce: by then every peer of the group has published this round.
         records = self.swarm.peers()
-        others = {p: r for p, r in records.items() if p != self.swarm.peer_id}
-        if others:
-            rejected_before = self.rejects.total()
-            want = set(range(self.model.cfg.num_experts))
-            report.experts_missing = self._pull_experts(others, want, snapshots)
-            report.experts_synced = sorted(want - set(report.experts_missing))
-            report.rejected = self.rejects.total() - rejected_before
-        report.adopted = self._adopt(records)
-        report.seconds = time.perf_counter() - start
+        others = self._others(records)
+        if not others or not average:
+            return records, {}
+        want = set(range(self.model.cfg.num_experts))
+        rejected_before = self.rejects.total()
+        means = self._fetch_means(others, want, own)
+        report.rejected = self.rejects.total() - rejected_before
+        owned_elsewhere = {e for r in others.values() for e in r.experts}
+        report.experts_synced = sorted(means)
+        report.experts_missing = sorted(owned_elsewhere - set(means))
+        return records, means
+
+    def finish_round(self, block: bool = False) -> RoundReport | None:
+        """Apply a finished round (training thread). Non-blocking returns None while it still runs."""
+        pending = self._pending
+        if pending is None or (not block and not pending.future.done()):
+            return None
+        wait_start = time.perf_counter()
+        try:
+            records, means = pending.future.result()
+        except Exception as e:  # never let a network failure kill training: the round is just lost
+            logger.warning(f"round {pending.report.round_id} failed: {type(e).__name__}: {e}")
+            records, means = {}, {}
+        report = pending.report
+        self._pending = None
+        if pending.behind:
+            logger.info(f"fell more than one round behind the swarm: re-downloading its state")
+            self._download_state(self._others())
+            report.redownloaded = True
+        else:
+            if report.group_size > 1:
+                self.shared.apply()
+            self._apply_experts(means, pending.own_snapshots)
+        report.adopted = self._adopt(records) if records else []
+        now = time.perf_counter()
+        report.blocked_seconds = now - wait_start
+        report.seconds = now - pending.started
         return report
 
-    def _pull_experts(self, others: dict[str, PeerRecord], want: set[int],
-                      own_snapshots: dict[int, dict[str, torch.Tensor]]) -> list[int]:
-        """Set each wanted expert to the mean of its owners' snapshots; returns experts left unchanged
-        (orphans, or every copy missing/refused) among those that other peers own."""
+    @torch.no_grad()
+    def _apply_experts(self, means: dict[int, Snapshot], own: dict[int, Snapshot]) -> None:
+        for expert, mean in means.items():
+            if expert in own and expert in self.model.owned_experts:
+                # Keep what this peer trained since the snapshot: new = mean + (live - snapshot).
+                live = self.model.expert_tensors(expert)
+                mean = {k: mean[k] + (live[k].float() - own[expert][k].float()) for k in mean}
+            self.model.load_expert_tensors(expert, mean)
+
+    def _fetch_means(self, others: dict[str, PeerRecord], want: set[int],
+                     own_snapshots: dict[int, Snapshot]) -> dict[int, Snapshot]:
+        """Mean of the owners' copies (validated) for each wanted expert that other peers own; an expert whose
+        every remote copy is missing or refused is left out (it keeps its local value)."""
         owners: dict[int, list[PeerRecord]] = {}
         for record in others.values():
             for expert in record.experts:
                 if expert in want:
                     owners.setdefault(expert, []).append(record)
-        futures: dict[tuple[int, str], concurrent.futures.Future] = {}
+        futures = {}
         for expert, records in owners.items():
             for record in records:
                 # An owner that is behind serves the newest round it has; one round of staleness is expected.
@@ -207,10 +203,11 @@ class SparseSync:
                 futures[(expert, record.peer_id)] = self.exchange.fetch_async(
                     PeerID.from_base58(record.peer_id), expert, round_id, timeout=self.cfg.round_timeout)
         concurrent.futures.wait(futures.values(), timeout=self.cfg.round_timeout + 5)
-        missing = []
+        means = {}
         for expert in sorted(owners):
-            reference = self.model.expert_tensors(expert)
+            reference = own_snapshots.get(expert) or self.model.expert_tensors(expert)
             copies = [own_snapshots[expert]] if expert in own_snapshots else []
+            fresh = 0
             for record in owners[expert]:
                 future = futures[(expert, record.peer_id)]
                 received = future.result() if future.done() and not future.exception() else None
@@ -219,19 +216,17 @@ class SparseSync:
                 tensors, reason = validate_tensors(received, reference, max_norm_ratio=self.cfg.max_norm_ratio)
                 if tensors is None:
                     self.rejects.add(reason)
-                    logger.warning(f"refused expert {expert} from {record.peer_id[-8:]}: {reason}")
+                    logger.warning(f"refused expert {expert} from peer ...{record.peer_id[-6:]}: {reason}")
                     continue
                 copies.append(tensors)
-            fresh = len(copies) - (1 if expert in own_snapshots else 0)
-            if fresh == 0:
-                missing.append(expert)
-                continue
-            mean = {name: torch.stack([c[name].float() for c in copies]).mean(dim=0) for name in reference}
-            self.model.load_expert_tensors(expert, mean)
-        return missing
+                fresh += 1
+            if fresh:
+                means[expert] = {name: torch.stack([c[name].float() for c in copies]).mean(dim=0) for name in reference}
+        return means
 
     def _adopt(self, records: dict[str, PeerRecord]) -> list[int]:
-        adopt = self.swarm.orphans_to_adopt(self.model.owned_experts, self.max_owned, records)
+        self._seen_owned |= {e for r in records.values() for e in r.experts}
+        adopt = self.swarm.orphans_to_adopt(self.model.owned_experts, self.max_owned, records, self._seen_owned)
         if adopt:
             owned = sorted(set(self.model.owned_experts) | set(adopt))
             logger.info(f"adopting orphaned experts {adopt}: no live owner")
@@ -239,8 +234,11 @@ class SparseSync:
             self.swarm.publish(experts=owned)
         return adopt
 
+    # ---- leaving ------------------------------------------------------------------------------------------
+
     def shutdown(self) -> None:
         """Leave cleanly: withdraw the record, stop the averager, the exchange and the DHT."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
         for closer in (self.shared.shutdown, self.exchange.shutdown):
             try:
                 closer()

@@ -78,9 +78,10 @@ def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("
         raise SwarmError(reason) from None
 
 
-def least_covered(coverage: dict[int, int], count: int) -> list[int]:
-    """The `count` experts with the fewest owners; ties go to the lowest index (deterministic everywhere)."""
-    return sorted(sorted(coverage), key=lambda e: (coverage[e], e))[:count]
+def least_covered(coverage: dict[int, int], count: int, peer_id: str = "") -> list[int]:
+    """The `count` experts with the fewest owners. Ties are broken by a hash of (peer ID, expert): deterministic,
+    yet peers that join at the same moment (seeing the same coverage) mostly pick different experts."""
+    return sorted(coverage, key=lambda e: (coverage[e], adoption_rank(peer_id, e)))[:count]
 
 
 def adoption_rank(peer_id: str, expert: int) -> bytes:
@@ -157,12 +158,14 @@ class Swarm:
     def choose_auto(self, count: int) -> list[int]:
         """Experts for `--experts auto`: the least-covered ones at join time."""
         coverage = {e: len(o) for e, o in self.coverage().items()}
-        return sorted(least_covered(coverage, count))
+        return sorted(least_covered(coverage, count, self.peer_id))
 
-    def orphans_to_adopt(self, owned: Iterable[int], max_owned: int,
-                         records: dict[str, PeerRecord] | None = None) -> list[int]:
+    def orphans_to_adopt(self, owned: Iterable[int], max_owned: int, records: dict[str, PeerRecord] | None = None,
+                         adoptable: Iterable[int] | None = None) -> list[int]:
         """Experts with no live owner that this peer should adopt, within `max_owned` experts in total.
 
+        Only experts in `adoptable` (default: all) are considered — the caller passes the experts it has seen
+        owned, so an expert whose owner left is adopted but one nobody ever took waits for a joining peer.
         Among the live peers with room left, the one ranked first by adoption_rank(peer, expert) adopts it.
         """
         records = self.peers() if records is None else records
@@ -172,7 +175,8 @@ class Swarm:
         coverage = self.coverage(records)
         load = {p: len(r.experts) for p, r in records.items()}
         adopt: list[int] = []
-        for expert in sorted(e for e, o in coverage.items() if not o):
+        allowed = set(coverage) if adoptable is None else set(adoptable)
+        for expert in sorted(e for e, o in coverage.items() if not o and e in allowed):
             candidates = [p for p in records if load[p] < max_owned]
             if not candidates:
                 break

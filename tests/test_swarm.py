@@ -189,3 +189,28 @@ def test_late_joiner_downloads_the_swarm_state_and_joins_the_next_round(swarm_fa
     assert all(r.group_size == 3 for r in reports)
     # expert 1 now has two owners (a and the late joiner): both hold their mean
     _assert_experts_equal(_experts(a)[1], _experts(late)[1])
+
+
+def test_record_parsing_refuses_hostile_values():
+    from sync.swarm import PeerRecord
+    assert PeerRecord.from_value("p", {"experts": [1, 0], "round": 2}, 4).experts == [0, 1]
+    for bad in (None, [], {"experts": "0"}, {"experts": [9]}, {"experts": [True]}, {"experts": [0], "round": -1},
+                {"experts": [0], "step": 2**70}, {"experts": list(range(5))}):
+        assert PeerRecord.from_value("p", bad, 4) is None, bad
+
+
+def test_least_covered_and_adoption_rules_are_deterministic():
+    from sync.swarm import least_covered
+    coverage = {0: 2, 1: 0, 2: 1, 3: 0}
+    picks = {least_covered(coverage, 2, f"peer{i}")[0] for i in range(20)}
+    assert picks == {1, 3}  # ties among the uncovered, spread by peer
+    assert sorted(least_covered(coverage, 2, "x")) == [1, 3]
+    assert least_covered(coverage, 3, "x")[2] == 2
+
+
+def test_only_experts_seen_owned_are_adopted(swarm_factory):
+    a = swarm_factory([0])
+    records = a.swarm.peers()
+    assert a.swarm.orphans_to_adopt([0], 4, records, adoptable={0}) == []
+    assert a.swarm.orphans_to_adopt([0], 4, records, adoptable={0, 2}) == [2]
+    assert a.swarm.orphans_to_adopt([0], 1, records, adoptable={0, 2}) == []  # no room left
