@@ -44,6 +44,7 @@ class RoundReport:
     experts_synced: list[int] = field(default_factory=list)
     experts_missing: list[int] = field(default_factory=list)  # owned elsewhere, but no usable copy arrived
     rejected: int = 0
+    expert_group_size: int = 0          # peers in the owned-experts all-reduce (0: not run)
     adopted: list[int] = field(default_factory=list)
     redownloaded: bool = False
     seconds: float = 0.0                # wall time from start to apply
@@ -76,6 +77,11 @@ class SparseSync:
         self._pending: _Pending | None = None
         # Experts seen with an owner: only these are adopted when orphaned (see Swarm.orphans_to_adopt).
         self._seen_owned: set[int] = set(model.owned_experts)
+        # Replicas: peers owning exactly the same experts all-reduce them with a second averager (the DiLoCo
+        # case: everyone owns everything); created lazily, re-created when ownership changes.
+        self._expert_avg: SharedAverager | None = None
+        self._expert_avg_key: tuple[int, ...] = ()
+        self._closed_expert_avg_bytes = 0
 
     # ---- joining ------------------------------------------------------------------------------------------
 
@@ -127,13 +133,16 @@ class SparseSync:
         self.shared.take_snapshot()
         own = self._publish(step, tokens)
         others = self._others()
+        replicated = any(set(r.experts) == set(own) for r in others.values())
+        expert_avg = self._expert_averager(own, replicated)
         behind = bool(others) and max(r.round for r in others.values()) > self.round_id + 1
-        future = self._worker.submit(self._network_part, report, own, tokens_since_last, bool(others) and not behind)
+        future = self._worker.submit(self._network_part, report, own, tokens_since_last, bool(others) and not behind,
+                                     expert_avg)
         self._pending = _Pending(report, started, own, future, behind)
         return previous
 
-    def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int,
-                      average: bool) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+    def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int, average: bool,
+                      expert_avg: SharedAverager | None) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
         if average:
             report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout))
         # Read the records after the all-reduce: by then every peer of the group has published this round.
@@ -142,13 +151,45 @@ class SparseSync:
         if not others or not average:
             return records, {}
         want = set(range(self.model.cfg.num_experts))
+        if expert_avg is not None and any(set(r.experts) == set(own) for r in others.values()):
+            report.expert_group_size = expert_avg.all_reduce(weight, timeout=self.cfg.round_timeout)
+            if report.expert_group_size > 1:
+                want -= set(own)  # averaged with the replicas already: nothing to fetch for them
         rejected_before = self.rejects.total()
         means = self._fetch_means(others, want, own)
         report.rejected = self.rejects.total() - rejected_before
-        owned_elsewhere = {e for r in others.values() for e in r.experts}
-        report.experts_synced = sorted(means)
+        owned_elsewhere = {e for r in others.values() for e in r.experts} & want
+        report.experts_synced = sorted(set(means) | (set(own) - want))
         report.experts_missing = sorted(owned_elsewhere - set(means))
         return records, means
+
+    def _expert_averager(self, own: dict[int, Snapshot], replicated: bool) -> SharedAverager | None:
+        """The averager over this peer's owned experts (training thread), snapshotted for this round; only
+        started once another peer owns exactly the same experts."""
+        key = tuple(sorted(own))
+        if key != self._expert_avg_key and self._expert_avg is not None:
+            self._closed_expert_avg_bytes += self._expert_avg.bytes_on_wire()
+            self._expert_avg.shutdown()
+            self._expert_avg = None
+        self._expert_avg_key = key
+        if not key or (self._expert_avg is None and not replicated):
+            return None
+        if self._expert_avg is None:
+            params = [t for e in key for t in self._owned_params(e)]
+            prefix = f"{self.swarm.run_id}_experts_{'-'.join(map(str, key))}"
+            self._expert_avg = SharedAverager(self.model, self.swarm, self.cfg, params=params, prefix=prefix)
+        self._expert_avg.take_snapshot()
+        return self._expert_avg
+
+    def _owned_params(self, expert: int) -> list[torch.Tensor]:
+        return [getattr(bank.bank[expert], name) for bank in self.model.expert_banks()
+                for name in bank.bank[expert].TENSOR_NAMES]
+
+    def bytes_on_wire(self) -> dict[str, int]:
+        """Tensor payload bytes this peer sent + received so far, by kind ("shared", "expert")."""
+        expert_avg = self._closed_expert_avg_bytes + (self._expert_avg.bytes_on_wire() if self._expert_avg else 0)
+        exchange = self.exchange.bytes_sent.get("expert", 0) + self.exchange.bytes_received.get("expert", 0)
+        return {"shared": 2 * self.shared.bytes_on_wire(), "expert": exchange + 2 * expert_avg}
 
     def finish_round(self, block: bool = False) -> RoundReport | None:
         """Apply a finished round (training thread). Non-blocking returns None while it still runs."""
@@ -170,6 +211,8 @@ class SparseSync:
         else:
             if report.group_size > 1:
                 self.shared.apply()
+            if report.expert_group_size > 1 and self._expert_avg is not None:
+                self._expert_avg.apply()
             self._apply_experts(means, pending.own_snapshots)
         report.adopted = self._adopt(records) if records else []
         now = time.perf_counter()
@@ -239,7 +282,8 @@ class SparseSync:
     def shutdown(self) -> None:
         """Leave cleanly: withdraw the record, stop the averager, the exchange and the DHT."""
         self._worker.shutdown(wait=False, cancel_futures=True)
-        for closer in (self.shared.shutdown, self.exchange.shutdown):
+        closers = [self.shared.shutdown, self.exchange.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
+        for closer in closers:
             try:
                 closer()
             except Exception as e:

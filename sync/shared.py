@@ -61,23 +61,26 @@ class CountingCompression(CompressionBase):
 class SharedAverager:
     """The shared tensors of the model in one DecentralizedAverager, with optional outer Nesterov."""
 
-    def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig):
+    def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, params: list[torch.Tensor] | None = None,
+                 prefix: str | None = None, outer: str | None = None):
+        """Averages `params` (default: the model's shared parameters) under DHT prefix `prefix`."""
         self.cfg = cfg
-        self.params = [p for _, p in model.shared_parameters()]
+        self.params = [p for _, p in model.shared_parameters()] if params is None else list(params)
         if cfg.compression == "8bit":
             patch_hivemind_8bit_decoder()  # before the averager process forks, so it inherits the fix
         self.compression = CountingCompression(COMPRESSIONS[cfg.compression]())
         self.averager = DecentralizedAverager(
             [p.detach().to("cpu", torch.float32).clone() for p in self.params], swarm.dht,
-            prefix=f"{swarm.run_id}_shared", start=True, min_group_size=2, target_group_size=None,
+            prefix=prefix or f"{swarm.run_id}_shared", start=True, min_group_size=2, target_group_size=None,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=min(3.0, cfg.matchmaking_time / 2),
             allreduce_timeout=cfg.round_timeout, next_chunk_timeout=min(10.0, cfg.round_timeout / 4),
-            compression=self.compression, allow_state_sharing=True,
+            compression=self.compression, allow_state_sharing=params is None,
         )
         self.snapshot: list[torch.Tensor] | None = None
         # DiLoCo's outer optimizer needs the params of the previous round (identical on every peer after a
         # successful round) and a momentum buffer.
-        self.anchor = [p.detach().to("cpu", torch.float32).clone() for p in self.params] if cfg.outer == "nesterov" else None
+        outer = cfg.outer if outer is None else outer
+        self.anchor = [p.detach().to("cpu", torch.float32).clone() for p in self.params] if outer == "nesterov" else None
         self.momentum = [torch.zeros_like(a) for a in self.anchor] if self.anchor is not None else None
 
     def payload_bytes(self) -> int:
@@ -88,9 +91,10 @@ class SharedAverager:
         """Payload bytes this peer sent (= received) in all-reduces so far; see CountingCompression."""
         return 2 * self.compression.input_bytes_sent
 
-    def take_snapshot(self) -> None:
+    def take_snapshot(self, tensors: list[torch.Tensor] | None = None) -> None:
         """At the round boundary (training thread): what this peer contributes to the average."""
-        self.snapshot = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
+        source = self.params if tensors is None else tensors
+        self.snapshot = [p.detach().to("cpu", torch.float32).clone() for p in source]
         with self.averager.get_tensors() as tensors:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
@@ -118,7 +122,8 @@ class SharedAverager:
                     anchor.sub_(pseudo_grad.add(buf, alpha=mu), alpha=lr)
                 targets = self.anchor
             for param, snap, target in zip(self.params, self.snapshot, targets):
-                param.add_((target - snap).to(param.device, param.dtype))
+                # copy_ (not add_) keeps integer-free storage dtypes like bf16 exact when nothing changed.
+                param.copy_((param.float() + (target - snap).to(param.device)).to(param.dtype))
 
     def load_from_peers(self, timeout: float) -> bool:
         """Late joiner / fell behind: copy the shared tensors from a live peer; False if none answered."""

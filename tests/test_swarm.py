@@ -4,7 +4,6 @@ Each peer is a DHT node + SparseSync (its averager and expert exchange) around i
 stood in for by seeded perturbations of what each peer trains, so the expected post-round values are exact."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -88,17 +87,11 @@ def _experts(peer: Peer) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def _round_all(peers: list[Peer], tokens: int = 100) -> list:
-    reports: list = [None] * len(peers)
-
-    def run(i: int) -> None:
-        reports[i] = peers[i].sync.round(step=1, tokens=tokens, tokens_since_last=tokens)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(peers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return reports
+    """One round on every peer: starts are local and quick (the network part runs in each peer's background
+    thread, concurrently), then each peer applies its result, as the training loop does at a step boundary."""
+    for peer in peers:
+        peer.sync.start_round(step=1, tokens=tokens, tokens_since_last=tokens)
+    return [peer.sync.finish_round(block=True) for peer in peers]
 
 
 def _assert_experts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -131,8 +124,12 @@ def test_diloco_mode_every_peer_owns_every_expert(swarm_factory):
     for i, peer in enumerate(peers):
         _local_training(peer, seed=10 + i)
     experts_before = [_experts(p) for p in peers]
+    _round_all(peers)  # the replicas discover each other; their expert averagers start with this round
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=20 + i)
+    experts_before = [_experts(p) for p in peers]
     reports = _round_all(peers)
-    assert all(r.group_size == 3 for r in reports)
+    assert all(r.group_size == 3 and r.expert_group_size == 3 for r in reports), reports
     for peer in peers:
         for expert in range(MODEL.num_experts):
             mean = {k: torch.stack([b[expert][k] for b in experts_before]).mean(0) for k in experts_before[0][expert]}
