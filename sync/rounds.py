@@ -17,6 +17,7 @@ Background processes per peer: the DHT node and one averager (each with its p2pd
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -60,6 +61,20 @@ class _Pending:
     behind: bool = False
 
 
+def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
+    """Run fn(*args) in a daemon thread: a round stuck on a dead peer must never keep the process alive."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=target, name="spes-round", daemon=True).start()
+    return future
+
+
 class SparseSync:
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
@@ -73,7 +88,6 @@ class SparseSync:
                                        rejects=self.rejects)
         self.shared = SharedAverager(model, swarm, cfg)
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spes-round")
         self._pending: _Pending | None = None
         # Experts seen with an owner: only these are adopted when orphaned (see Swarm.orphans_to_adopt).
         self._seen_owned: set[int] = set(model.owned_experts)
@@ -136,8 +150,8 @@ class SparseSync:
         replicated = any(set(r.experts) == set(own) for r in others.values())
         expert_avg = self._expert_averager(own, replicated)
         behind = bool(others) and max(r.round for r in others.values()) > self.round_id + 1
-        future = self._worker.submit(self._network_part, report, own, tokens_since_last, bool(others) and not behind,
-                                     expert_avg)
+        future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last,
+                                       bool(others) and not behind, expert_avg)
         self._pending = _Pending(report, started, own, future, behind)
         return previous
 
@@ -198,7 +212,8 @@ class SparseSync:
             return None
         wait_start = time.perf_counter()
         try:
-            records, means = pending.future.result()
+            # Every network wait inside is bounded; this bound is a last resort against a wedged round.
+            records, means = pending.future.result(timeout=4 * self.cfg.round_timeout + 30)
         except Exception as e:  # never let a network failure kill training: the round is just lost
             logger.warning(f"round {pending.report.round_id} failed: {type(e).__name__}: {e}")
             records, means = {}, {}
@@ -281,7 +296,6 @@ class SparseSync:
 
     def shutdown(self) -> None:
         """Leave cleanly: withdraw the record, stop the averager, the exchange and the DHT."""
-        self._worker.shutdown(wait=False, cancel_futures=True)
         closers = [self.shared.shutdown, self.exchange.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
         for closer in closers:
             try:

@@ -101,10 +101,15 @@ class SharedAverager:
 
     def all_reduce(self, weight: float, timeout: float) -> int:
         """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed."""
+        control = None
         try:
-            gathered = self.averager.step(weight=max(weight, 1e-6), timeout=timeout)
+            control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
+            # Bounded even if the averager process itself dies (its future would never resolve otherwise).
+            gathered = control.result(timeout=timeout + self.cfg.round_timeout)
         except Exception as e:  # a peer died mid-round, matchmaking timed out, ...: keep local values
-            logger.warning(f"shared averaging failed this round: {type(e).__name__}: {e}")
+            logger.warning(f"averaging failed this round: {type(e).__name__}: {e}")
+            if control is not None and not control.done():
+                control.cancel()
             return 0
         return len(gathered) if gathered else 0
 

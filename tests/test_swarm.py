@@ -149,15 +149,35 @@ def test_hostile_expert_is_refused_counted_and_model_unchanged(swarm_factory):
     _assert_experts_equal(_experts(honest)[3], before)
 
 
+def _kill(peer: Peer) -> None:
+    """The peer's processes stop without leaving cleanly (no record withdrawal)."""
+    peer.sync.shared.shutdown()
+    peer.sync.exchange.shutdown()
+    peer.swarm._stop.set()
+    peer.swarm.dht.shutdown()
+
+
+def test_peer_killed_mid_round_does_not_stall_the_others(swarm_factory):
+    cfg = _sync_cfg(round_timeout=15.0)
+    a, b, c = swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)
+    _round_all([a, b, c])
+    for peer in (a, b, c):
+        peer.sync.start_round(step=2, tokens=200, tokens_since_last=100)
+    time.sleep(1.0)  # everyone is looking for its group / fetching
+    _kill(c)
+    start = time.monotonic()
+    reports = [a.sync.finish_round(block=True), b.sync.finish_round(block=True)]
+    assert time.monotonic() - start < cfg.round_timeout + 15
+    assert all(r is not None for r in reports)
+    reports = _round_all([a, b])  # and the next round works between the survivors
+    assert all(r.group_size == 2 for r in reports), reports
+
+
 def test_dead_peer_does_not_block_and_its_experts_are_adopted(swarm_factory):
     cfg = _sync_cfg(record_ttl=3.0)
     a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
     _round_all([a, b, c])
-    # c dies without leaving cleanly: no withdrawal, its processes just stop.
-    c.sync.shared.shutdown()
-    c.sync.exchange.shutdown()
-    c.swarm._stop.set()
-    c.swarm.dht.shutdown()
+    _kill(c)  # c dies without leaving cleanly: no withdrawal, its processes just stop
     start = time.monotonic()
     reports = _round_all([a, b])
     assert time.monotonic() - start < cfg.round_timeout + 10
