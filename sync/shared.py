@@ -13,7 +13,7 @@ import multiprocessing as mp
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
-from hivemind.compression import Uniform8BitQuantization
+from hivemind.compression import SizeAdaptiveCompression, Uniform8BitQuantization
 from hivemind.proto import runtime_pb2
 from hivemind.utils.logging import get_logger
 
@@ -24,7 +24,12 @@ from sync.transfer import patch_hivemind_8bit_decoder
 
 logger = get_logger(__name__)
 
-COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}
+def _eight_bit() -> CompressionBase:
+    # Below ~1k values hivemind's 1,032-byte 8-bit codebook costs more than fp16 (norms, small routers).
+    return SizeAdaptiveCompression(threshold=1032, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
+
+
+COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression, "8bit": _eight_bit}
 
 
 class CountingCompression(CompressionBase):

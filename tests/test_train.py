@@ -105,18 +105,24 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     raise TimeoutError(f"no step {step} in {metrics}")
 
 
-def test_ctrl_c_finishes_the_step_checkpoints_and_exits_0(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(peer_cmd("--config", "configs/tiny.yaml", "--max-steps", "100000", "--run-dir", str(run_dir),
-                                     "--set", "train.log_every=1", "--set", "train.checkpoint_every=100000"),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _interrupt_at_step(cmd: list[str], cwd: Path, run_dir: Path, step: int) -> tuple[subprocess.Popen, str]:
+    """Start a peer, Ctrl-C it once its metrics show `step`, wait for it to exit; returns (process, stderr)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_step(run_dir, 3, proc)
+        _wait_for_step(run_dir, step, proc, timeout=400)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, err
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, err = _interrupt_at_step(peer_cmd("--config", "configs/tiny.yaml", "--max-steps", "100000", "--run-dir",
+                                            str(run_dir), "--set", "train.log_every=1",
+                                            "--set", "train.checkpoint_every=100000"), REPO, run_dir, step=3)
     assert proc.returncode == 0, err[-2000:]
     last_logged = _metrics(run_dir)[-1]["step"]
     ckpt = latest_checkpoint(run_dir / "checkpoints")
@@ -129,15 +135,8 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_exits_0(tmp_path):
 def test_no_arguments_trains_the_default_model_offline(tmp_path):
     """`python -m peer.run` with no arguments at all: default small model, built-in corpus, no network
     (the session fixture sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE). Stopped with Ctrl-C after 10 steps."""
-    proc = subprocess.Popen(peer_cmd(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "runs" / "spes-demo"
-    try:
-        _wait_for_step(run_dir, 10, proc, timeout=400)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, err = _interrupt_at_step(peer_cmd(), tmp_path, run_dir, step=10)
     assert proc.returncode == 0, err[-2000:]
     records = _metrics(run_dir)
     assert len(records[0]["owned_experts"]) == 2  # auto: a quarter of the 8 experts

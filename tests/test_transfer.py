@@ -209,7 +209,7 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": "ab", "round": 1}))],
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": "1"}))],
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a", "b"], "round": 1})),
-         runtime_pb2.ExpertResponse(tensors=good_part)],  # two names, one tensor
+         runtime_pb2.ExpertResponse(tensors=good_part)],  # two names, one tensor: incomplete, not counted
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 2})),
          runtime_pb2.ExpertResponse(tensors=good_part)],  # not the round asked for
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
@@ -224,7 +224,9 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
     for i, script in enumerate(cases):
         _HostileExchange.script = script
         assert b.fetch(a.peer_id, 0, 1, timeout=10) is None, i
-    assert b.rejects.counts()["malformed"] == len(cases)
+    # A stream cut short is retried once and then given up as a transport failure, not refused as hostile.
+    malformed = len(cases) - 1
+    assert b.rejects.counts()["malformed"] == malformed
     _HostileExchange.script = [
         runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
         runtime_pb2.ExpertResponse(tensors=good_part),
@@ -236,7 +238,7 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
     t0 = time.monotonic()
     assert b.fetch(a.peer_id, 0, 1, timeout=1.0) is None
     assert 1.0 <= time.monotonic() - t0 < 3.0
-    assert b.rejects.counts()["malformed"] == len(cases)  # a slow peer is not a hostile one
+    assert b.rejects.counts()["malformed"] == malformed  # a slow peer is not a hostile one
 
 
 def test_fetch_async_two_owners(dhts, make_exchange):
