@@ -231,3 +231,20 @@ def test_only_experts_seen_owned_are_adopted(swarm_factory):
     assert a.swarm.orphans_to_adopt([0], 4, records, adoptable={0}) == []
     assert a.swarm.orphans_to_adopt([0], 4, records, adoptable={0, 2}) == [2]
     assert a.swarm.orphans_to_adopt([0], 1, records, adoptable={0, 2}) == []  # no room left
+
+
+def test_nesterov_outer_step_on_the_averaged_pseudo_gradient(swarm_factory):
+    cfg = _sync_cfg(outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)]
+    anchor = _shared(peers[0])  # the same init on both peers
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=40 + i)
+    shared_before = [_shared(p) for p in peers]
+    reports = _round_all(peers)
+    assert all(r.group_size == 2 for r in reports)
+    for peer in peers:
+        for name, value in _shared(peer).items():
+            pseudo_grad = anchor[name] - (shared_before[0][name] + shared_before[1][name]) / 2
+            # first round: momentum buffer = g, Nesterov update = g + mu * g
+            expected = anchor[name] - 0.7 * (pseudo_grad + 0.9 * pseudo_grad)
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
