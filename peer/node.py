@@ -86,7 +86,8 @@ class PeerNode:
         logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} applied at step {trainer.step}: "
                     f"shared group {report.group_size}, experts synced {len(report.experts_synced)}, "
                     f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "
-                    f"adopted {report.adopted or 'none'}{', re-downloaded' if report.redownloaded else ''}, "
+                    f"adopted {report.adopted or 'none'}{', re-downloaded' if report.redownloaded else ''}"
+                    f"{f', merged (alpha {report.merge_alpha:.4f})' if report.merge_alpha else ''}, "
                     f"{report.seconds:.2f}s ({report.blocked_seconds:.2f}s blocked)")
 
     def run(self) -> None:

@@ -28,6 +28,7 @@ from hivemind.utils.logging import get_logger
 
 from model.model import SpesMoE
 from sync.config import SyncConfig
+from sync.merge import merge_alpha, merge_deltas, merge_due
 from sync.shared import SharedAverager
 from sync.swarm import PeerRecord, Swarm
 from sync.transfer import ExpertExchange
@@ -48,6 +49,7 @@ class RoundReport:
     expert_group_size: int = 0          # peers in the owned-experts all-reduce (0: not run)
     adopted: list[int] = field(default_factory=list)
     redownloaded: bool = False
+    merge_alpha: float = 0.0            # > 0 when this round applied the expert-merging warm-up
     seconds: float = 0.0                # wall time from start to apply
     blocked_seconds: float = 0.0        # of which the training loop waited
 
@@ -59,6 +61,7 @@ class _Pending:
     own_snapshots: dict[int, Snapshot]
     future: concurrent.futures.Future   # -> (records, {expert: mean of owners' copies})
     behind: bool = False
+    step: int = 0
 
 
 def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
@@ -152,7 +155,7 @@ class SparseSync:
         behind = bool(others) and max(r.round for r in others.values()) > self.round_id + 1
         future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last,
                                        bool(others) and not behind, expert_avg)
-        self._pending = _Pending(report, started, own, future, behind)
+        self._pending = _Pending(report, started, own, future, behind, step)
         return previous
 
     def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int, average: bool,
@@ -226,14 +229,39 @@ class SparseSync:
         else:
             if report.group_size > 1:
                 self.shared.apply()
+            synced = self._synced_owned(means, pending.own_snapshots, report.expert_group_size > 1)
             if report.expert_group_size > 1 and self._expert_avg is not None:
                 self._expert_avg.apply()
             self._apply_experts(means, pending.own_snapshots)
+            if merge_due(pending.step, self.cfg.merge) and synced:
+                report.merge_alpha = merge_alpha(pending.step, self.cfg.merge)
+                self._merge(synced, report.merge_alpha)
         report.adopted = self._adopt(records) if records else []
         now = time.perf_counter()
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
         return report
+
+    def _synced_owned(self, means: dict[int, Snapshot], own: dict[int, Snapshot], all_reduced: bool) -> dict[int, Snapshot]:
+        """This round's synchronized (pre-merge) value of each expert this peer owns."""
+        synced = {e: means.get(e, snapshot) for e, snapshot in own.items()}
+        if all_reduced and self._expert_avg is not None:
+            with self._expert_avg.averager.get_tensors() as averaged:
+                names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
+                values = iter(averaged)
+                synced = {e: {name: next(values).clone() for name in names} for e in self._expert_avg_key}
+        return synced
+
+    @torch.no_grad()
+    def _merge(self, synced_owned: dict[int, Snapshot], alpha: float) -> None:
+        """Warm-up merge of the owned experts from this round's synchronized snapshot of every expert."""
+        snapshot = {e: synced_owned.get(e) or self.model.expert_tensors(e) for e in range(self.model.cfg.num_experts)}
+        owned = sorted(e for e in synced_owned if e in self.model.owned_experts)
+        deltas = merge_deltas(snapshot, owned, alpha, self.cfg.merge.topk, self.model.cfg.n_layers)
+        for expert, delta in deltas.items():
+            live = self.model.expert_tensors(expert)
+            self.model.load_expert_tensors(expert, {k: live[k].float() + delta[k] for k in live})
+        logger.info(f"merge warm-up (alpha {alpha:.4f}) applied to experts {owned}")
 
     @torch.no_grad()
     def _apply_experts(self, means: dict[int, Snapshot], own: dict[int, Snapshot]) -> None:
