@@ -43,7 +43,8 @@ class CountingCompression(CompressionBase):
 
     def __init__(self, inner: CompressionBase):
         self.inner = inner
-        self.compression_type = inner.compression_type
+        # Adaptive compressions (8-bit here) have no single type; hivemind only reads the per-tensor one.
+        self.compression_type = getattr(inner, "compression_type", None)
         self.counter = mp.Value("q", 0, lock=True)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:

@@ -248,3 +248,23 @@ def test_nesterov_outer_step_on_the_averaged_pseudo_gradient(swarm_factory):
             # first round: momentum buffer = g, Nesterov update = g + mu * g
             expected = anchor[name] - 0.7 * (pseudo_grad + 0.9 * pseudo_grad)
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "8bit"])
+def test_compressed_round_is_close_to_the_exact_mean(swarm_factory, compression):
+    cfg = _sync_cfg(compression=compression)
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)]
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=60 + i)
+    shared_before = [_shared(p) for p in peers]
+    experts_before = [_experts(p) for p in peers]
+    reports = _round_all(peers)
+    assert all(r.group_size == 2 and not r.experts_missing for r in reports), reports
+    tol = 1e-2 if compression == "fp16" else 5e-2
+    for name, value in _shared(peers[0]).items():
+        mean = (shared_before[0][name] + shared_before[1][name]) / 2
+        assert (value - mean).norm() <= tol * mean.norm() + 1e-6, name
+    for name, value in _experts(peers[0])[2].items():
+        owner_value = experts_before[1][2][name]
+        assert (value - owner_value).norm() <= tol * owner_value.norm(), name
+    assert peers[0].sync.bytes_on_wire()["shared"] > 0 and peers[0].sync.bytes_on_wire()["expert"] > 0
