@@ -109,16 +109,22 @@ def _iter_stdlib_documents(root: Path) -> Iterator[tuple[str, str]]:
                 yield _clean(text), source
 
 
-def _module_documents(module: str, tree: ast.Module) -> Iterator[tuple[str, str]]:
+def _sections(node: ast.Module | ast.ClassDef, prefix: str) -> list[str]:
+    """The node's own docstring, then one section per function/method defined directly in it."""
     sections = []
-    doc = ast.get_docstring(tree)
+    doc = ast.get_docstring(node)
     if doc:
         sections.append(doc)
-    for node in tree.body:
-        if isinstance(node, _Def):
-            section = _function_section(node, prefix="")
+    for child in node.body:
+        if isinstance(child, _Def):
+            section = _function_section(child, prefix=prefix)
             if section:
                 sections.append(section)
+    return sections
+
+
+def _module_documents(module: str, tree: ast.Module) -> Iterator[tuple[str, str]]:
+    sections = _sections(tree, prefix="")
     if sections:
         yield _page(f"Module {module}", sections), f"stdlib:{module}"
     for node in tree.body:
@@ -127,15 +133,7 @@ def _module_documents(module: str, tree: ast.Module) -> Iterator[tuple[str, str]
 
 
 def _class_documents(module: str, node: ast.ClassDef, qualname: str) -> Iterator[tuple[str, str]]:
-    sections = []
-    doc = ast.get_docstring(node)
-    if doc:
-        sections.append(doc)
-    for child in node.body:
-        if isinstance(child, _Def):
-            section = _function_section(child, prefix=f"{node.name}.")
-            if section:
-                sections.append(section)
+    sections = _sections(node, prefix=f"{node.name}.")
     if sections:
         title = f"class {module}.{qualname}{_bases(node)}"
         yield _page(title, sections), f"stdlib:{module}.{qualname}"
