@@ -191,6 +191,15 @@ def router_losses(router_logits: tuple[torch.Tensor, ...], top_k: int,
     return torch.stack(z_terms).mean(), torch.stack(lb_terms).mean()
 
 
+def decayed_lb_scale(step: int, max_steps: int, owned: Iterable[int], num_experts: int) -> torch.Tensor:
+    """SPEC §1's decayed load-balance variant: the token counts of this peer's own experts are multiplied by a
+    factor rising linearly 0.7 -> 1.0 over the first 20 % of training (so more tokens flow to local experts early)."""
+    factor = 0.7 + 0.3 * min(step / max(0.2 * max_steps, 1e-9), 1.0)
+    scale_E = torch.ones(num_experts)
+    scale_E[sorted(owned)] = factor
+    return scale_E
+
+
 def lm_loss(model: SpesMoE, tokens_BT1: torch.Tensor, z_coef: float, lb_coef: float,
             count_scale_E: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Training loss on a packed block batch [B, T+1]: CE(next token) + z_coef*z + lb_coef*lb."""

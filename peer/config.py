@@ -44,6 +44,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     z_loss: float = 0.001
     lb_loss: float = 0.01
+    # Decayed load-balance loss (SPEC §1): own experts' counts scaled 0.7 -> 1.0 over the first 20 % of steps.
+    decayed_lb: bool = False
     device: str = "auto"
     # Recompute each decoder layer in backward: activations stop growing with seq_len x batch (costs ~1 forward).
     gradient_checkpointing: bool = False

@@ -18,7 +18,7 @@ from hivemind.utils.logging import get_logger
 
 from model.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                               load_model_state, model_state_for_checkpoint, prune_checkpoints, save_checkpoint)
-from model.model import SpesMoE, lm_loss
+from model.model import SpesMoE, decayed_lb_scale, lm_loss
 from peer.config import RunConfig, save_config
 from peer.data import build_data
 from peer.optim import (build_optimizer, load_optimizer_state_tensors, lr_at, optimizer_state_tensors,
@@ -147,10 +147,14 @@ class Trainer:
             group["lr"] = lr_at(self.step, tcfg)
         self.model.train()
         totals: dict[str, float] = {}
+        count_scale_E = None
+        if tcfg.decayed_lb:
+            count_scale_E = decayed_lb_scale(self.step, tcfg.max_steps, self.model.owned_experts,
+                                             self.cfg.model.num_experts).to(self.device)
         for _ in range(tcfg.grad_accum):
             batch = self.data.train.next_batch(tcfg.batch_size).to(self.device, non_blocking=True)
             with self._autocast():
-                loss, parts = lm_loss(self.model, batch, tcfg.z_loss, tcfg.lb_loss)
+                loss, parts = lm_loss(self.model, batch, tcfg.z_loss, tcfg.lb_loss, count_scale_E)
             (loss / tcfg.grad_accum).backward()
             for key, value in parts.items():
                 totals[key] = totals.get(key, 0.0) + value / tcfg.grad_accum

@@ -172,3 +172,19 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-6)
+
+
+def test_decayed_load_balance_scale_and_effect():
+    from model.model import decayed_lb_scale
+    scale = decayed_lb_scale(0, 1000, owned=[1, 3], num_experts=4)
+    assert scale.tolist() == pytest.approx([1.0, 0.7, 1.0, 0.7])
+    assert decayed_lb_scale(100, 1000, [1], 4)[1].item() == pytest.approx(0.85)
+    assert decayed_lb_scale(200, 1000, [1], 4)[1].item() == pytest.approx(1.0)
+    assert decayed_lb_scale(900, 1000, [1], 4)[1].item() == pytest.approx(1.0)
+    # Routing that favours the own experts is penalized less than without the scale.
+    logits = torch.zeros(64, 4)
+    logits[:, 1] = 2.0
+    logits[:, 3] = 1.5
+    _, lb_plain = router_losses((logits,), top_k=2)
+    _, lb_scaled = router_losses((logits,), top_k=2, count_scale_E=decayed_lb_scale(0, 1000, [1, 3], 4))
+    assert lb_scaled.item() < lb_plain.item()
