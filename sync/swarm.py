@@ -64,7 +64,16 @@ def _is_peer_id(text: str) -> bool:
 def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
               announce_maddrs: Sequence[str] = (), identity_path: str | None = None) -> hivemind.DHT:
     """Start a DHT node (joining `initial_peers` if given); SwarmError with the daemon's reason on failure."""
-    kwargs: dict[str, Any] = {"initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs), "start": True}
+    return start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path)
+
+
+def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+                   announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
+                   **p2p_options: Any) -> hivemind.DHT:
+    """start_dht with extra hivemind.DHT / P2P.create options (use_relay, use_auto_relay, ...), for callers such
+    as the bootstrap node that expose them; same errors."""
+    kwargs: dict[str, Any] = {"initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs), "start": True,
+                              **p2p_options}
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity_path:

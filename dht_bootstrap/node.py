@@ -1,0 +1,288 @@
+"""The bootstrap node: a hivemind DHT node that only serves the run's DHT and reports on it (SPEC §3, §4).
+
+It never publishes a peer record or a heartbeat of its own: it reads the run's records (`{run_id}_peers`) through
+sync.swarm, logs a one-line status, and optionally serves the swarm-level Prometheus gauges. Input problems are
+raised as BootstrapError with a message that names the cause, checked before any process is started.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils.logging import get_logger
+from hivemind.utils.multiaddr import Multiaddr
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from sync.swarm import PeerRecord, Swarm, SwarmError, start_dht_node
+
+logger = get_logger(__name__)
+
+# Swarm gauges are refreshed at least this often, however long --status-every is.
+REFRESH_SECONDS = 3.0
+# Addresses of known DHT nodes kept across restarts (see BootstrapNode.reconnect), how long to try each.
+MAX_REMEMBERED = 64
+RECONNECT_TIMEOUT = 5.0
+
+
+class BootstrapError(ValueError):
+    """Bad input or a failed start; the message names the cause (bad multiaddr, port in use, ...)."""
+
+
+def check_maddrs(maddrs: Sequence[str], flag: str) -> None:
+    """Parse every multiaddr here, so a typo is reported by name before p2pd is started."""
+    for text in maddrs:
+        try:
+            Multiaddr(text)
+        except Exception as e:  # multiaddr raises several exception types, all meaning "cannot parse"
+            reason = str(e).split(": ", 1)[-1] if ": " in str(e) else str(e)
+            raise BootstrapError(f"bad multiaddr '{text}' in {flag}: {reason}") from None
+
+
+def check_ports_free(host_maddrs: Sequence[str]) -> None:
+    """Refuse a TCP listen port that another process already listens on.
+
+    p2pd binds with SO_REUSEPORT, so a second p2pd on the same port (e.g. a second bootstrap node) would start
+    and silently share the port; a probe bind without SO_REUSEPORT sees any listener. SO_REUSEADDR lets it ignore
+    the TIME_WAIT connections a node restarted on the same port leaves behind.
+    """
+    for text in host_maddrs:
+        maddr = Multiaddr(text)
+        names = {p.name for p in maddr.protocols()}
+        if "tcp" not in names or not names & {"ip4", "ip6"}:
+            continue  # DNS names, QUIC, ...: nothing to probe here; p2pd reports its own errors
+        port = int(maddr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if "ip6" in names else socket.AF_INET
+        host = maddr.value_for_protocol("ip6" if family == socket.AF_INET6 else "ip4")
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this machine: p2pd will listen on the other addresses
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # Go listens on tcp6 as v6-only, so must the probe
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise BootstrapError(f"port {port} is in use ({text})") from None
+                # Other failures (no such local address, ...) are p2pd's to report or to survive.
+
+
+@dataclass
+class SwarmStatus:
+    """What the run's live records say: peers, owners per expert, summed tokens."""
+
+    peers: int
+    replicas: dict[int, int]
+    tokens: int
+
+    @classmethod
+    def from_records(cls, records: dict[str, PeerRecord], num_experts: int) -> "SwarmStatus":
+        replicas = {e: 0 for e in range(num_experts)}
+        for record in records.values():
+            for e in record.experts:
+                replicas[e] += 1
+        return cls(len(records), replicas, sum(r.tokens for r in records.values()))
+
+    def line(self, run_id: str, short_id: str, dht_nodes: int | None = None) -> str:
+        covered = sum(1 for n in self.replicas.values() if n > 0)
+        min_replicas = min(self.replicas.values(), default=0)
+        known = "" if dht_nodes is None else f", {dht_nodes} other DHT node{'s' * (dht_nodes != 1)} known"
+        return (f"[{run_id} {short_id}] {self.peers} peer{'s' * (self.peers != 1)}, experts covered "
+                f"{covered}/{len(self.replicas)} (min replicas {min_replicas}), swarm tokens {self.tokens}{known}")
+
+
+class SwarmGauges:
+    """The bootstrap node's Prometheus gauges (SPEC §4), in a registry of their own."""
+
+    def __init__(self, num_experts: int):
+        self.registry = CollectorRegistry()
+        self.peers = Gauge("spes_swarm_peers", "live peers in the run's DHT records", registry=self.registry)
+        self.replicas = Gauge("spes_swarm_expert_replicas", "live owners of each expert", ["expert"],
+                              registry=self.registry)
+        self.tokens = Gauge("spes_swarm_tokens_total", "sum of the tokens counters of the live peer records",
+                            registry=self.registry)
+        for e in range(num_experts):  # one series per expert from the start, 0 until someone owns it
+            self.replicas.labels(expert=str(e)).set(0)
+        self._server: Any = None
+
+    def serve(self, port: int) -> None:
+        try:
+            server = start_http_server(port, registry=self.registry)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise BootstrapError(f"metrics port {port} is in use") from None
+            raise BootstrapError(f"cannot serve metrics on port {port}: {e.strerror or e}") from None
+        self._server = server[0] if isinstance(server, tuple) else None  # a tuple since prometheus_client 0.17
+
+    def update(self, status: SwarmStatus) -> None:
+        self.peers.set(status.peers)
+        for e, n in status.replicas.items():
+            self.replicas.labels(expert=str(e)).set(n)
+        self.tokens.set(status.tokens)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+async def _other_dht_nodes(_dht: hivemind.DHT, node: Any) -> int:
+    # Runs inside the DHT process (module-level so that it pickles); the routing table excludes the node itself.
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _known_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
+    # Full multiaddrs of the DHT nodes in the routing table; libp2p dials out from its listen port (reuseport),
+    # so a connection's remote address is normally the address that peer listens on.
+    in_table = {str(p) for p in node.protocol.routing_table.uid_to_peer_id.values()}
+    peers = await node.protocol.p2p.list_peers()
+    return sorted(f"{addr}/p2p/{info.peer_id}" for info in peers if str(info.peer_id) in in_table
+                  for addr in info.addrs)[: MAX_REMEMBERED]
+
+
+async def _ping_peers(maddrs: list[str], _dht: hivemind.DHT, node: Any) -> int:
+    # A ping puts this node back into each peer's routing table (and the peer into ours). The connect goes
+    # through the daemon client because hivemind has no public "dial this address" call.
+    by_peer: dict[str, list[Multiaddr]] = {}
+    for text in maddrs:
+        maddr = Multiaddr(text)
+        peer_id = maddr.value_for_protocol("p2p")
+        by_peer.setdefault(peer_id, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{peer_id}")))
+
+    async def ping(peer_id: str, addrs: list[Multiaddr]) -> bool:
+        try:
+            peer = PeerID.from_base58(peer_id)
+            await asyncio.wait_for(node.protocol.p2p._client.connect(peer, addrs), RECONNECT_TIMEOUT)
+            return await asyncio.wait_for(node.protocol.call_ping(peer), RECONNECT_TIMEOUT) is not None
+        except Exception:  # gone, moved, or another peer on that address now: nothing to reconnect
+            return False
+
+    return sum(await asyncio.gather(*(ping(p, a) for p, a in by_peer.items())))
+
+
+class BootstrapNode:
+    """A running bootstrap node. Use as a context manager or call shutdown()."""
+
+    def __init__(self, run_id: str, num_experts: int, host_maddrs: Sequence[str],
+                 announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
+                 initial_peers: Sequence[str] = (), metrics_port: int = 0, **p2p_options: Any):
+        check_maddrs(host_maddrs, "--host-maddrs")
+        check_maddrs(announce_maddrs, "--announce-maddrs")
+        check_maddrs(initial_peers, "--initial-peers")
+        check_ports_free(host_maddrs)
+        self.run_id, self.num_experts = run_id, num_experts
+        self.gauges = SwarmGauges(num_experts) if metrics_port else None
+        if self.gauges is not None:  # before the DHT: a busy metrics port fails without starting p2pd
+            self.gauges.serve(metrics_port)
+        if identity_path:  # hivemind writes a missing key file but not its folder
+            Path(identity_path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dht = start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, **p2p_options)
+        except SwarmError as e:
+            if self.gauges is not None:
+                self.gauges.close()
+            raise BootstrapError(str(e)) from None
+        # Peers keep a restarted node out of their routing tables once a request to it failed during the
+        # downtime, and the restarted node knows nobody; so it remembers its DHT neighbours next to its identity.
+        self.peers_path = Path(f"{identity_path}.peers") if identity_path else None
+        self._remembered: list[str] = []
+        self._remember_failed = False
+        # Swarm only reads here: its constructor stores nothing, and publish/heartbeat are never called.
+        self.reader = Swarm(self.dht, run_id, num_experts)
+        self.short_id = self.reader.peer_id[-6:]
+        self.status = SwarmStatus.from_records({}, num_experts)
+
+    def visible_maddrs(self) -> list[str]:
+        return self.reader.visible_maddrs()
+
+    def reconnect(self) -> None:
+        """Ping the DHT nodes known before a restart (from FILE.peers), so that they take this node back."""
+        if self.peers_path is None or not self.peers_path.is_file():
+            return
+        try:
+            maddrs = [line.strip() for line in self.peers_path.read_text().splitlines() if line.strip()]
+            check_maddrs(maddrs, str(self.peers_path))
+            self._remembered = maddrs
+            found = self.dht.run_coroutine(functools.partial(_ping_peers, maddrs))
+        except Exception as e:  # a damaged or stale file only costs the reconnect, never the start
+            logger.warning(f"could not reconnect to the peers in {self.peers_path}: {e}")
+            return
+        known = len({m.rsplit("/p2p/", 1)[-1] for m in maddrs})
+        logger.info(f"reconnected to {found} of {known} DHT nodes known before the restart")
+
+    def remember_peers(self) -> None:
+        """Keep the current DHT neighbours in FILE.peers (only when they changed, never an empty list)."""
+        if self.peers_path is None:
+            return
+        maddrs = self.dht.run_coroutine(_known_peers)
+        if maddrs and maddrs != self._remembered:
+            tmp = self.peers_path.with_name(self.peers_path.name + ".tmp")
+            tmp.write_text("".join(f"{m}\n" for m in maddrs))
+            os.replace(tmp, self.peers_path)  # atomic: a crash mid-write leaves the previous list
+            self._remembered = maddrs
+
+    def refresh(self) -> SwarmStatus:
+        """Read the live records (this DHT lookup also keeps the routing table fresh) and update the gauges."""
+        self.status = SwarmStatus.from_records(self.reader.peers(), self.num_experts)
+        if self.gauges is not None:
+            self.gauges.update(self.status)
+        return self.status
+
+    def status_line(self) -> str:
+        try:
+            nodes: int | None = self.dht.run_coroutine(_other_dht_nodes)
+        except Exception:  # the count is a nicety; the line is still worth logging without it
+            nodes = None
+        return self.status.line(self.run_id, self.short_id, nodes)
+
+    def serve_forever(self, stop: threading.Event, status_every: float) -> None:
+        """Refresh every few seconds and log a status line every `status_every` seconds until `stop` is set."""
+        tick = max(0.1, min(REFRESH_SECONDS, status_every))
+        next_status = time.monotonic() + status_every
+        while not stop.wait(tick):
+            if not self.dht.is_alive():
+                raise BootstrapError("the DHT process died")
+            try:
+                self.refresh()
+            except Exception as e:  # a failed lookup must not end the node; the next tick retries
+                logger.warning(f"could not read the run's records: {e}")
+            try:
+                self.remember_peers()
+            except Exception as e:  # e.g. a read-only folder: the node still serves, only restarts suffer
+                if not self._remember_failed:  # once, not every few seconds
+                    logger.warning(f"could not update {self.peers_path}: {e}")
+                self._remember_failed = True
+            if time.monotonic() >= next_status:
+                logger.info(self.status_line())
+                # Skip missed slots (a slow lookup) instead of logging a burst of lines to catch up.
+                next_status = max(next_status + status_every, time.monotonic() + status_every / 2)
+
+    def shutdown(self) -> None:
+        """Stop the DHT (and its p2pd) and the metrics server. Idempotent."""
+        if getattr(self, "dht", None) is not None:
+            self.dht.shutdown()
+            self.dht = None
+        if self.gauges is not None:
+            self.gauges.close()
+            self.gauges = None
+
+    def __enter__(self) -> "BootstrapNode":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
