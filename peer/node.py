@@ -3,6 +3,9 @@
 With `sync.every > 0` the peer starts a hivemind DHT node: without initial peers it starts a new swarm and logs
 one `initial peer: MADDR` line per address for others to pass to `--initial-peers`. Every `sync.every` local
 steps it runs a SPES round (sync/rounds.py). With `sync.every: 0` it trains alone and starts nothing.
+
+It also feeds the peer's Prometheus metrics (peer/metrics.py) when given a PeerMetrics, and adds the sync
+counters (bytes by kind, blocked seconds) to every metrics.jsonl record.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from typing import Sequence
 from hivemind.utils.logging import get_logger
 
 from peer.config import RunConfig
+from peer.metrics import PeerMetrics
 from peer.train import Trainer
+from sync.merge import merge_alpha
 from sync.rounds import RoundReport, SparseSync
 from sync.swarm import Swarm, start_dht
 
@@ -25,8 +30,10 @@ class PeerNode:
 
     def __init__(self, cfg: RunConfig, initial_peers: Sequence[str] = (),
                  host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",), announce_maddrs: Sequence[str] = (),
-                 identity_path: str | None = None):
+                 identity_path: str | None = None, metrics: PeerMetrics | None = None):
+        """`metrics`: where to report (its HTTP endpoint, if any, is the caller's to start and stop)."""
         self.cfg = cfg
+        self.metrics = metrics
         self.swarm: Swarm | None = None
         self.sync: SparseSync | None = None
         self.blocked_seconds = 0.0
@@ -44,6 +51,7 @@ class PeerNode:
         try:
             self.trainer = Trainer(cfg, data_seed=data_seed,
                                    choose_auto=self.swarm.choose_auto if self.swarm else None)
+            self.trainer.log_prefix = f"{cfg.run_id} {self.short_id}"
             if self.swarm is not None:
                 self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync,
                                        set_owned=self.trainer.set_owned_experts)
@@ -51,6 +59,15 @@ class PeerNode:
                 self._tokens_at_round = self.trainer.tokens
                 self.trainer.step_hooks.append(self._maybe_sync)
                 self.trainer.end_hooks.append(self._finish)
+                self.trainer.record_fields.append(self._sync_fields)
+            if self.metrics is not None:
+                # After the sync hook, so a round applied at this step is already counted.
+                self.trainer.step_hooks.append(self._update_metrics)
+                self.trainer.end_hooks.append(self._update_metrics)
+                self._update_metrics(self.trainer)
+                if self.swarm is not None:
+                    swarm = self.swarm
+                    self.metrics.start_peer_refresh(lambda: len(swarm.peers()))
         except BaseException:
             self.shutdown()
             raise
@@ -79,10 +96,26 @@ class PeerNode:
         logger.info(f"[{self.cfg.run_id} {self.short_id}] sync blocked the training loop {self.blocked_seconds:.2f}s "
                     f"of {wall:.1f}s ({100 * self.blocked_seconds / max(wall, 1e-9):.1f}%)")
 
+    def _sync_fields(self, trainer: Trainer) -> dict:
+        """Extra metrics.jsonl fields of a syncing peer (the benchmarks read them)."""
+        return {"bytes_sent": self.sync.bytes_sent(), "bytes_received": self.sync.bytes_received(),
+                "blocked_s": self.blocked_seconds}
+
+    def _update_metrics(self, trainer: Trainer) -> None:
+        """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""
+        syncing = self.sync is not None
+        alpha = merge_alpha(trainer.step, self.cfg.sync.merge) if syncing else 0.0
+        self.metrics.observe_trainer(trainer, merge_alpha=alpha)
+        if syncing:
+            self.metrics.observe_sync(self.blocked_seconds, self.sync.bytes_sent(), self.sync.bytes_received(),
+                                      self.sync.rejects.counts())
+
     def _log_round(self, report: RoundReport | None, trainer: Trainer) -> None:
         if report is None:
             return
         trainer.rounds = report.round_id
+        if self.metrics is not None:
+            self.metrics.observe_round(report.seconds)
         logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} applied at step {trainer.step}: "
                     f"shared group {report.group_size}, experts synced {len(report.experts_synced)}, "
                     f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "
@@ -95,10 +128,17 @@ class PeerNode:
 
     def shutdown(self) -> None:
         """Leave the swarm cleanly (record withdrawn, averager and DHT stopped). Idempotent."""
+        if self.metrics is not None:
+            self.metrics.stop_peer_refresh()  # it reads the DHT that is about to stop
+        if self.swarm is None:
+            return
+        start = time.perf_counter()
         if self.sync is not None:
             self.sync.shutdown()
-        elif self.swarm is not None:
+        else:
             self.swarm.shutdown(withdraw=False)
+        logger.info(f"[{self.cfg.run_id} {self.short_id}] left the swarm: DHT and averagers stopped in "
+                    f"{time.perf_counter() - start:.1f}s")
         self.sync = None
         self.swarm = None
 

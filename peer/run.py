@@ -7,19 +7,31 @@ writing a checkpoint); 2 with a one-line message naming the cause for bad input.
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
-
+import asyncio.subprocess
+import ctypes
+import errno
+import gc
 import logging
+import os
+import re
+import signal
+import socket
+import sys
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hivemind.utils.logging import get_logger, use_hivemind_log_handler
+from hivemind.utils.multiaddr import Multiaddr
 
-from peer.config import ConfigError, load_config, parse_override
+from peer.config import ConfigError, RunConfig, load_config, parse_override
+
+if TYPE_CHECKING:
+    from peer.metrics import PeerMetrics
 
 logger = get_logger(__name__)
 
-# Flags of features this build does not contain yet (Prometheus metrics come with the operations work).
-UNAVAILABLE_FLAGS = ("metrics_port",)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What p2pd says when a listen address is taken: "listen tcp4 127.0.0.1:41965: bind: address already in use".
+_DAEMON_PORT_IN_USE = re.compile(r"listen \S+ \S*:(\d+): bind: address already in use")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,7 +67,7 @@ def overrides_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
         "run_id": args.run_id, "run_dir": args.run_dir,
         "sync.experts": args.experts, "sync.every": args.sync_every,
         "train.max_steps": args.max_steps, "train.device": args.device,
-        "data.dataset": args.dataset, "data.tokenizer": args.tokenizer,
+        "data.dataset": args.dataset, "data.tokenizer": args.tokenizer, "metrics.port": args.metrics_port,
     }
     overrides: list[dict[str, Any]] = []
     for key, value in flat.items():
@@ -77,40 +89,157 @@ def setup_logging() -> None:
     logging.getLogger().setLevel(logging.INFO)
 
 
+def parse_maddrs(flag: str, maddrs: Sequence[str]) -> list[Multiaddr]:
+    """Parse multiaddrs given on the command line; ConfigError naming the bad one."""
+    parsed = []
+    for maddr in maddrs:
+        try:
+            parsed.append(Multiaddr(maddr))
+        except Exception as e:  # multiaddr raises its own StringParseError/ValueError family
+            raise ConfigError(f"bad multiaddr {maddr!r} ({flag}): {e}") from None
+    return parsed
+
+
+def check_host_ports(maddrs: Sequence[Multiaddr]) -> None:
+    """Fail now, with the port named, if a fixed TCP port to listen on is already taken.
+
+    hivemind's p2pd listens with SO_REUSEPORT, so a second peer on the same port would *not* fail: it would
+    silently share the port with the first one. A plain bind (SO_REUSEADDR only, like p2pd, so sockets in
+    TIME_WAIT do not count) fails against any listener, p2pd or not.
+    """
+    for maddr in maddrs:
+        names = [p.name for p in maddr.protocols()]
+        if "tcp" not in names or not {"ip4", "ip6"} & set(names):
+            continue  # dns names, udp/quic: left to the daemon
+        port = int(maddr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        family, host = ((socket.AF_INET, maddr.value_for_protocol("ip4")) if "ip4" in names
+                        else (socket.AF_INET6, maddr.value_for_protocol("ip6")))
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here: p2pd listens on the other addresses or reports it
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # Go listens on tcp6 sockets as v6-only: probe the same way
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"port {port} is in use ({maddr})") from None
+                # Anything else (an address not on this machine, ...) is p2pd's to report, or to survive when
+                # another of the addresses works.
+
+
+def explain_swarm_error(message: str) -> str:
+    """hivemind's daemon errors, made to name the cause the way the other errors here do."""
+    match = _DAEMON_PORT_IN_USE.search(message)
+    if match:
+        return f"port {match.group(1)} is in use"
+    return message
+
+
+_prctl = None  # libc's prctl, looked up before any fork: a dlopen between fork and exec could deadlock
+
+
+def _p2pd_preexec() -> None:
+    os.setpgid(0, 0)  # its own process group: a terminal's Ctrl-C reaches the peer, not its daemon
+    if _prctl is not None:  # ...and it still dies with the DHT process that started it, whatever kills that one
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def keep_p2pd_out_of_terminal_signals() -> None:
+    """Start hivemind's p2pd daemons outside the terminal's process group. Idempotent.
+
+    Ctrl-C in a terminal sends SIGINT to the whole foreground process group. hivemind's DHT and averager
+    processes ignore it, but p2pd exits at once, so the peer could not finish its round, withdraw its record
+    or shut down cleanly. hivemind offers no option for this, so the one asyncio call that spawns p2pd gets
+    a preexec_fn (inherited by the DHT process forked later).
+    """
+    global _prctl
+    original = asyncio.subprocess.create_subprocess_exec
+    if getattr(original, "_spes_p2pd_isolated", False):
+        return
+    if sys.platform.startswith("linux"):
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    async def create_subprocess_exec(program, *args, **kwargs):
+        if os.path.basename(str(program)) == "p2pd" and "preexec_fn" not in kwargs:
+            kwargs["preexec_fn"] = _p2pd_preexec
+        return await original(program, *args, **kwargs)
+
+    create_subprocess_exec._spes_p2pd_isolated = True
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+
+
+def start_metrics(cfg: RunConfig) -> "PeerMetrics | None":
+    """The metrics endpoint, started before anything heavy so a taken port costs nothing; None if off."""
+    if not cfg.metrics.port:
+        return None
+    from peer.metrics import MetricsPortInUse, PeerMetrics
+    metrics = PeerMetrics(cfg.model.num_experts)
+    try:
+        metrics.serve(cfg.metrics.port)
+    except MetricsPortInUse as e:
+        raise ConfigError(e.strerror) from None
+    except OSError as e:
+        raise ConfigError(f"cannot serve metrics on port {cfg.metrics.port}: {e.strerror or e}") from None
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    metrics = None
     try:
-        for name in UNAVAILABLE_FLAGS:
-            if getattr(args, name) not in (None, 0):
-                raise ConfigError(f"--{name.replace('_', '-')}: not available in this build yet")
         cfg = load_config(args.config, overrides_from_args(args))
         if cfg.sync.experts not in ("auto", "all"):
             from sync.config import parse_expert_list
             parse_expert_list(cfg.sync.experts, cfg.model.num_experts)
+        if args.initial_peers and cfg.sync.every == 0:
+            raise ConfigError("--initial-peers needs synchronization on (sync.every > 0)")
+        host_maddrs = args.host_maddrs or ("/ip4/0.0.0.0/tcp/0",)
+        parse_maddrs("--initial-peers", args.initial_peers or ())
+        parse_maddrs("--announce-maddrs", args.announce_maddrs or ())
+        hosts = parse_maddrs("--host-maddrs", host_maddrs)
+        if cfg.sync.every > 0:
+            check_host_ports(hosts)
+        metrics = start_metrics(cfg)
         # Heavy imports after argument checks so bad flags fail fast.
         from model.checkpoint import CheckpointError
         from peer.node import PeerNode
         from peer.train import StopOnSignal
         from sync.swarm import SwarmError
-        if args.initial_peers and cfg.sync.every == 0:
-            raise ConfigError("--initial-peers needs synchronization on (sync.every > 0)")
-        try:
-            node = PeerNode(cfg, initial_peers=args.initial_peers or (),
-                            host_maddrs=args.host_maddrs or ("/ip4/0.0.0.0/tcp/0",),
-                            announce_maddrs=args.announce_maddrs or (), identity_path=args.identity_path)
-        except (CheckpointError, SwarmError) as e:
-            raise ConfigError(str(e)) from None
-        with node, StopOnSignal(node.trainer):
-            node.run()
+        keep_p2pd_out_of_terminal_signals()
+        # Signals are handled from here on: one during start-up lets start-up finish, then stops cleanly.
+        with StopOnSignal() as stop:
+            try:
+                node = PeerNode(cfg, initial_peers=args.initial_peers or (), host_maddrs=host_maddrs,
+                                announce_maddrs=args.announce_maddrs or (), identity_path=args.identity_path,
+                                metrics=metrics)
+            except (CheckpointError, SwarmError) as e:
+                raise ConfigError(explain_swarm_error(str(e))) from None
+            with node:
+                stop.attach(node.trainer)
+                node.run()
     except (ConfigError, ValueError, FloatingPointError) as e:
         logger.error(f"error: {e}")
         return 2
     except KeyboardInterrupt:
         logger.error("aborted by a second interrupt; the newest checkpoint on disk is still complete")
         return 130
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is shut down by now; what is left is the interpreter's own final garbage collections over
+    # hundreds of thousands of torch/transformers/hivemind objects, seconds of CPU on a busy machine. Frozen
+    # objects are skipped by them (an exiting process needs no cycle collection).
+    gc.freeze()
+    sys.exit(code)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from contextlib import nullcontext
@@ -82,6 +83,11 @@ class Trainer:
         self.step_hooks: list[Callable[["Trainer"], None]] = []
         # Called once when the loop ends, before the final checkpoint (e.g. to apply an in-flight sync round).
         self.end_hooks: list[Callable[["Trainer"], None]] = []
+        # Extra fields for each metrics.jsonl record (e.g. the peer's sync counters), so this file stays offline.
+        self.record_fields: list[Callable[["Trainer"], dict]] = []
+        # Log lines say which run and which peer they come from; PeerNode sets its short peer ID.
+        self.log_prefix = f"{cfg.run_id} solo"
+        self.last_loss: float | None = None  # cross-entropy of the latest step (for metrics)
 
         if cfg.sync.experts == "auto" and ckpt_meta.get("owned_experts") is not None:
             owned = list(ckpt_meta["owned_experts"])  # continuing a run keeps what it owned
@@ -194,7 +200,8 @@ class Trainer:
         if self.step >= tcfg.max_steps:
             logger.info(f"nothing to do: step {self.step} >= max_steps {tcfg.max_steps}")
             return
-        logger.info(f"training on {self.device}: {self.model.num_parameters('total') / 1e6:.2f}M params total, "
+        logger.info(f"[{self.log_prefix}] training on {self.device}: "
+                    f"{self.model.num_parameters('total') / 1e6:.2f}M params total, "
                     f"{self.model.num_parameters('trainable') / 1e6:.2f}M trainable, owned experts "
                     f"{sorted(self.model.owned_experts)} of {self.cfg.model.num_experts}; run dir {self.run_dir}")
         window_loss, window_n = 0.0, 0
@@ -205,6 +212,7 @@ class Trainer:
             parts = self.train_step()
             if not math.isfinite(parts["ce"]):
                 raise FloatingPointError(f"loss became {parts['ce']} at step {self.step}")
+            self.last_loss = parts["ce"]
             for hook in self.step_hooks:
                 hook(self)
             window_loss += parts["ce"]
@@ -219,23 +227,25 @@ class Trainer:
                           "tokens_per_s": tok_s, "rounds": self.rounds,
                           "owned_experts": sorted(self.model.owned_experts), "time": time.time(),
                           "lr": lr_at(self.step - 1, tcfg), "z_loss": parts["z_loss"], "lb_loss": parts["lb_loss"]}
-                logger.info(f"[{self.cfg.run_id}] step {self.step}/{tcfg.max_steps} | loss {record['loss']:.4f} | "
+                logger.info(f"[{self.log_prefix}] step {self.step}/{tcfg.max_steps} | loss {record['loss']:.4f} | "
                             f"{tok_s:,.0f} tok/s | eta {_fmt_duration(eta)}")
                 window_loss, window_n, window_start, window_tokens = 0.0, 0, now, self.tokens
             if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps):
                 eval_loss = self.evaluate()
-                logger.info(f"[{self.cfg.run_id}] step {self.step} | eval_loss {eval_loss:.4f}")
+                logger.info(f"[{self.log_prefix}] step {self.step} | eval_loss {eval_loss:.4f}")
                 record = record or {"step": self.step, "loss": parts["ce"], "tokens": self.tokens,
                                     "tokens_per_s": 0.0, "rounds": self.rounds,
                                     "owned_experts": sorted(self.model.owned_experts), "time": time.time()}
                 record["eval_loss"] = eval_loss
             if record is not None:
+                for fields in self.record_fields:
+                    record.update(fields(self))
                 self._write_metrics(record)
             if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0:
                 self.save_checkpoint()
                 last_saved = self.step
         if self._stop:
-            logger.info(f"stop requested: finished step {self.step}")
+            logger.info(f"[{self.log_prefix}] stop requested: finished step {self.step}")
         for hook in self.end_hooks:
             hook(self)
         if tcfg.checkpoint_every and last_saved != self.step:
@@ -244,18 +254,39 @@ class Trainer:
 
 class StopOnSignal:
     """Context manager: the first SIGINT/SIGTERM asks the trainer to stop after the current step;
-    a second one interrupts immediately."""
+    a second one interrupts immediately.
 
-    def __init__(self, trainer: Trainer):
+    It may be entered before the trainer exists (`attach` it later): a signal during start-up is then held and
+    the trainer stops before its first step, so start-up still ends in a clean shutdown.
+    """
+
+    def __init__(self, trainer: Trainer | None = None):
         self.trainer = trainer
+        self.requested = False
         self._previous: dict[int, object] = {}
+        self._pid = os.getpid()
+
+    def attach(self, trainer: Trainer) -> None:
+        """Direct signals to `trainer`; one already received stops it at once."""
+        self.trainer = trainer
+        if self.requested:
+            trainer.request_stop()
 
     def _handle(self, signum, frame) -> None:
-        if self.trainer._stop:
+        if os.getpid() != self._pid:
+            # A process forked while this handler was installed (hivemind's DHT and averagers): it must die on
+            # SIGTERM as usual, or hivemind's terminate() of a stuck child would not end it.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.requested:
             raise KeyboardInterrupt
-        logger.info(f"{signal.Signals(signum).name} received: finishing the current step, then checkpoint and exit "
-                    f"(again to abort)")
-        self.trainer.request_stop()
+        self.requested = True
+        prefix = f"[{self.trainer.log_prefix}] " if self.trainer is not None else ""
+        logger.info(f"{prefix}{signal.Signals(signum).name} received: finishing the current step, then checkpoint "
+                    f"and exit (again to abort)")
+        if self.trainer is not None:
+            self.trainer.request_stop()
 
     def __enter__(self) -> "StopOnSignal":
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -89,7 +89,7 @@ class SparseSync:
         self.round_id = 0
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=cfg.compression,
                                        rejects=self.rejects)
-        self.shared = SharedAverager(model, swarm, cfg)
+        self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects)
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
         self._pending: _Pending | None = None
         # Experts seen with an owner: only these are adopted when orphaned (see Swarm.orphans_to_adopt).
@@ -98,7 +98,7 @@ class SparseSync:
         # case: everyone owns everything); created lazily, re-created when ownership changes.
         self._expert_avg: SharedAverager | None = None
         self._expert_avg_key: tuple[int, ...] = ()
-        self._closed_expert_avg_bytes = 0
+        self._closed_expert_avg_bytes = {"sent": 0, "received": 0}  # replica averagers already shut down
 
     # ---- joining ------------------------------------------------------------------------------------------
 
@@ -185,7 +185,8 @@ class SparseSync:
         started once another peer owns exactly the same experts."""
         key = tuple(sorted(own))
         if key != self._expert_avg_key and self._expert_avg is not None:
-            self._closed_expert_avg_bytes += self._expert_avg.bytes_on_wire()
+            self._closed_expert_avg_bytes["sent"] += self._expert_avg.bytes_sent()
+            self._closed_expert_avg_bytes["received"] += self._expert_avg.bytes_received()
             self._expert_avg.shutdown()
             self._expert_avg = None
         self._expert_avg_key = key
@@ -202,11 +203,22 @@ class SparseSync:
         return [getattr(bank.bank[expert], name) for bank in self.model.expert_banks()
                 for name in bank.bank[expert].TENSOR_NAMES]
 
+    def bytes_sent(self) -> dict[str, int]:
+        """Tensor payload bytes (after compression) this peer sent so far, by kind ("shared", "expert")."""
+        replicas = self._closed_expert_avg_bytes["sent"] + (self._expert_avg.bytes_sent() if self._expert_avg else 0)
+        return {"shared": self.shared.bytes_sent(), "expert": self.exchange.bytes_sent.get("expert", 0) + replicas}
+
+    def bytes_received(self) -> dict[str, int]:
+        """Tensor payload bytes (after compression) this peer received so far, by kind ("shared", "expert")."""
+        replicas = (self._closed_expert_avg_bytes["received"]
+                    + (self._expert_avg.bytes_received() if self._expert_avg else 0))
+        return {"shared": self.shared.bytes_received(),
+                "expert": self.exchange.bytes_received.get("expert", 0) + replicas}
+
     def bytes_on_wire(self) -> dict[str, int]:
         """Tensor payload bytes this peer sent + received so far, by kind ("shared", "expert")."""
-        expert_avg = self._closed_expert_avg_bytes + (self._expert_avg.bytes_on_wire() if self._expert_avg else 0)
-        exchange = self.exchange.bytes_sent.get("expert", 0) + self.exchange.bytes_received.get("expert", 0)
-        return {"shared": 2 * self.shared.bytes_on_wire(), "expert": exchange + 2 * expert_avg}
+        sent, received = self.bytes_sent(), self.bytes_received()
+        return {kind: sent[kind] + received[kind] for kind in sent}
 
     def finish_round(self, block: bool = False) -> RoundReport | None:
         """Apply a finished round (training thread). Non-blocking returns None while it still runs."""

@@ -9,6 +9,8 @@ DiLoCo's pseudo-gradient and takes an SGD step with Nesterov momentum from the p
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
+import threading
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -21,6 +23,7 @@ from model.model import SpesMoE
 from sync.config import SyncConfig
 from sync.swarm import Swarm
 from sync.transfer import patch_hivemind_8bit_decoder
+from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
 
@@ -32,25 +35,49 @@ def _eight_bit() -> CompressionBase:
 COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression, "8bit": _eight_bit}
 
 
-class CountingCompression(CompressionBase):
-    """Wraps a hivemind compression and counts the bytes of every part it encodes for sending.
+class WireCounter:
+    """Tensor payload bytes (after compression) one averager sent and received, in shared memory: the averager
+    runs in its own forked process, where the counting happens, while the peer reads the totals here."""
 
-    The averager runs in a forked process, so the counter is a shared-memory value. In hivemind's butterfly
-    all-reduce a peer sends its input parts (counted here) and sends back, for the part it reduces, one averaged
-    delta per other sender of the same size and codec; so payload sent = received = 2 x counted input bytes
-    when partitions are equal (the default, no bandwidth hints).
+    def __init__(self) -> None:
+        self._sent = mp.Value("q", 0, lock=True)
+        self._received = mp.Value("q", 0, lock=True)
+
+    def add_sent(self, nbytes: int) -> None:
+        with self._sent.get_lock():
+            self._sent.value += nbytes
+
+    def add_received(self, nbytes: int) -> None:
+        with self._received.get_lock():
+            self._received.value += nbytes
+
+    @property
+    def sent(self) -> int:
+        return int(self._sent.value)
+
+    @property
+    def received(self) -> int:
+        return int(self._received.value)
+
+
+class CountingCompression(CompressionBase):
+    """Wraps a hivemind compression and counts the bytes of every part it encodes as sent.
+
+    hivemind compresses with it exactly the parts that go to other peers: this peer's input parts for the
+    other reducers (its own part is averaged locally, unserialized) and, as `state_compression`, the tensors it
+    serves to a peer downloading the state. The averaged deltas a reducer sends back and everything received
+    are counted by `_install_wire_counting` inside the averager process.
     """
 
-    def __init__(self, inner: CompressionBase):
+    def __init__(self, inner: CompressionBase, counter: WireCounter):
         self.inner = inner
         # Adaptive compressions (8-bit here) have no single type; hivemind only reads the per-tensor one.
         self.compression_type = getattr(inner, "compression_type", None)
-        self.counter = mp.Value("q", 0, lock=True)
+        self.counter = counter
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         out = self.inner.compress(tensor, info, allow_inplace)
-        with self.counter.get_lock():
-            self.counter.value += len(out.buffer)
+        self.counter.add_sent(len(out.buffer))
         return out
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
@@ -59,29 +86,83 @@ class CountingCompression(CompressionBase):
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self.inner.estimate_compression_ratio(info)
 
-    @property
-    def input_bytes_sent(self) -> int:
-        return int(self.counter.value)
+
+def _install_wire_counting(counter: WireCounter) -> None:
+    """Count the tensors hivemind's all-reduce and state download (de)serialize without the configured
+    compression object: averaged deltas sent back by a reducer, and every part received.
+
+    Runs inside the averager's own process (see _CountingAverager.run), so the module globals patched here are
+    that process's copies: other averagers, the DHT and the peer's own serialization are not affected.
+    """
+    from hivemind.averaging import allreduce, averager
+
+    serialize, deserialize = allreduce.serialize_torch_tensor, allreduce.deserialize_torch_tensor
+
+    def counted_serialize(*args, **kwargs) -> runtime_pb2.Tensor:
+        out = serialize(*args, **kwargs)
+        counter.add_sent(len(out.buffer))
+        return out
+
+    def counted_deserialize(serialized: runtime_pb2.Tensor, *args, **kwargs) -> torch.Tensor:
+        counter.add_received(len(serialized.buffer))
+        return deserialize(serialized, *args, **kwargs)
+
+    allreduce.serialize_torch_tensor = counted_serialize       # averaged deltas a reducer returns
+    allreduce.deserialize_torch_tensor = counted_deserialize   # input parts and averaged deltas received
+    averager.deserialize_torch_tensor = counted_deserialize    # state downloaded by load_state_from_peers
+
+
+class _CountingAverager(DecentralizedAverager):
+    """A DecentralizedAverager whose process counts its wire bytes into `wire`."""
+
+    def __init__(self, *args, wire: WireCounter, **kwargs):
+        self._wire = wire  # set before start(): the forked process needs it in run()
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # hivemind names rpc handlers after the class: keep DecentralizedAverager's names so this averager
+        # stays wire-compatible with plain hivemind averagers (and peers of earlier builds).
+        return DecentralizedAverager._get_handle_name.__func__(DecentralizedAverager, namespace, method_name)
+
+    def run(self) -> None:
+        _install_wire_counting(self._wire)
+        super().run()
 
 
 class SharedAverager:
     """The shared tensors of the model in one DecentralizedAverager, with optional outer Nesterov."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, params: list[torch.Tensor] | None = None,
-                 prefix: str | None = None, outer: str | None = None):
-        """Averages `params` (default: the model's shared parameters) under DHT prefix `prefix`."""
+                 prefix: str | None = None, outer: str | None = None, rejects: RejectCounter | None = None):
+        """Averages `params` (default: the model's shared parameters) under DHT prefix `prefix`; refused
+        downloaded state is counted in `rejects` if given."""
         self.cfg = cfg
+        self.rejects = rejects
         self.params = [p for _, p in model.shared_parameters()] if params is None else list(params)
         if cfg.compression == "8bit":
             patch_hivemind_8bit_decoder()  # before the averager process forks, so it inherits the fix
-        self.compression = CountingCompression(COMPRESSIONS[cfg.compression]())
-        self.averager = DecentralizedAverager(
+        self.wire = WireCounter()
+        self.compression = CountingCompression(COMPRESSIONS[cfg.compression](), self.wire)
+        # hivemind's averager sets SIGINT to SIG_IGN in the *calling* process (meant for the forked child) and
+        # never restores it, which would make the peer deaf to Ctrl-C: keep the handler it had.
+        sigint = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+        # The shared averager may start as soon as the expected group is complete (sync.target_group_size);
+        # replicas of an expert set arrive straight from the shared all-reduce they left together, so a short
+        # matchmaking window suffices for them and no target (their count changes as peers come and go).
+        shared = params is None
+        matchmaking = cfg.matchmaking_time if shared else min(cfg.matchmaking_time, 5.0)
+        self.averager = _CountingAverager(
             [p.detach().to("cpu", torch.float32).clone() for p in self.params], swarm.dht,
-            prefix=prefix or f"{swarm.run_id}_shared", start=True, min_group_size=2, target_group_size=None,
-            min_matchmaking_time=cfg.matchmaking_time, request_timeout=min(3.0, cfg.matchmaking_time / 2),
+            prefix=prefix or f"{swarm.run_id}_shared", start=True, min_group_size=2,
+            target_group_size=(cfg.target_group_size or None) if shared else None,
+            min_matchmaking_time=matchmaking, request_timeout=min(3.0, matchmaking / 2),
             allreduce_timeout=cfg.round_timeout, next_chunk_timeout=min(10.0, cfg.round_timeout / 4),
             compression=self.compression, allow_state_sharing=params is None,
+            state_compression=CountingCompression(NoCompression(), self.wire), wire=self.wire,
         )
+        if sigint is not None:
+            signal.signal(signal.SIGINT, sigint)
         self.snapshot: list[torch.Tensor] | None = None
         # DiLoCo's outer optimizer needs the params of the previous round (identical on every peer after a
         # successful round) and a momentum buffer.
@@ -93,9 +174,18 @@ class SharedAverager:
         """Bytes of one full copy of the shared tensors as they travel (fp32)."""
         return sum(p.numel() * 4 for p in self.params)
 
+    def bytes_sent(self) -> int:
+        """Tensor payload bytes (after compression) this averager sent so far: all-reduce parts and deltas,
+        and shared state served to joining peers."""
+        return self.wire.sent
+
+    def bytes_received(self) -> int:
+        """Tensor payload bytes (after compression) this averager received so far, state downloads included."""
+        return self.wire.received
+
     def bytes_on_wire(self) -> int:
-        """Payload bytes this peer sent (= received) in all-reduces so far; see CountingCompression."""
-        return 2 * self.compression.input_bytes_sent
+        """Sent + received payload bytes so far."""
+        return self.wire.sent + self.wire.received
 
     def take_snapshot(self, tensors: list[torch.Tensor] | None = None) -> None:
         """At the round boundary (training thread): what this peer contributes to the average."""
@@ -148,9 +238,11 @@ class SharedAverager:
         _, tensors = loaded
         if len(tensors) != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors, self.params)):
             logger.warning("a peer sent shared state of the wrong shapes: ignored")
+            self._reject("shape")
             return False
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             logger.warning("a peer sent non-finite shared state: ignored")
+            self._reject("nonfinite")
             return False
         with torch.no_grad():
             for tensor, param in zip(tensors, self.params):
@@ -159,6 +251,10 @@ class SharedAverager:
             for anchor, param in zip(self.anchor, self.params):
                 anchor.copy_(param.detach())
         return True
+
+    def _reject(self, reason: str) -> None:
+        if self.rejects is not None:
+            self.rejects.add(reason)
 
     def shutdown(self) -> None:
         self.averager.shutdown()

@@ -3,6 +3,7 @@ and nothing in the run dir overwritten."""
 from __future__ import annotations
 
 import hashlib
+import socket
 import subprocess
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def _digest(directory: Path) -> dict[str, str]:
      "cannot reach any initial peer (/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf)"),
     (["--initial-peers", "garbage"], "garbage"),
     (["--host-maddrs", "/ip4/127.0.0.1/tcp/notaport"], "notaport"),
-    (["--metrics-port", "9100"], "--metrics-port"),
+    (["--announce-maddrs", "/ip4/1.2.3/tcp/5"], "bad multiaddr '/ip4/1.2.3/tcp/5' (--announce-maddrs)"),
+    (["--metrics-port", "70000"], "metrics.port must be in [0, 65535]"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, args, cause):
     proc = _run("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), *args)
@@ -83,3 +85,48 @@ def test_export_of_a_run_without_checkpoints_fails_in_one_line(tmp_path):
     proc = subprocess.run(["python", "-m", "model.export", str(tmp_path / "nope"), str(tmp_path / "out")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "cannot read the run's config" in _one_error_line(proc)
+
+
+def _listener(host: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket()
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+def test_metrics_port_in_use_fails_before_any_work(tmp_path):
+    with _listener("0.0.0.0") as busy:
+        port = busy.getsockname()[1]
+        proc = _run("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port))
+    assert f"metrics port {port} is in use" in _one_error_line(proc)
+    assert not (tmp_path / "run").exists()  # checked before the run dir, the model or the DHT
+
+
+def test_host_port_in_use_by_a_plain_listener(tmp_path):
+    with _listener() as busy:
+        port = busy.getsockname()[1]
+        proc = _run("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
+                    "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    assert f"port {port} is in use" in _one_error_line(proc)
+    assert not (tmp_path / "run").exists()
+
+
+def test_host_port_in_use_by_another_peer(tmp_path):
+    """p2pd listens with SO_REUSEPORT: without the check a second peer would silently share the port."""
+    import hivemind
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        port = int(str(dht.get_visible_maddrs()[0]).split("/")[4])
+        proc = _run("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
+                    "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    finally:
+        dht.shutdown()
+    assert f"port {port} is in use" in _one_error_line(proc)
+
+
+def test_daemon_port_error_is_translated():
+    from peer.run import explain_swarm_error
+    raw = ("Daemon failed to start: 2026/11/30 00:12:05 failed to listen on any addresses: "
+           "[listen tcp4 127.0.0.1:41965: bind: address already in use]")
+    assert explain_swarm_error(raw) == "port 41965 is in use"
+    assert explain_swarm_error("something else") == "something else"
