@@ -1,0 +1,357 @@
+"""Convergence at equal tokens: SPES vs centralized vs DiLoCo, every peer a real swarm member.
+
+    python -m bench.convergence                      # all 7 arms, the default scale (2 CPU cores: ~45 min)
+    python -m bench.convergence --scale smoke --arms centralized,spes --peers 2     # the CI smoke version
+    python -m bench.convergence --arms spes_nomerge --alpha-sweep 0.05,0.2,0.5     # the merge alpha sweep
+
+Each swarm arm starts a plain `hivemind-dht` bootstrap and `--peers` separate `python -m peer.run` processes on
+127.0.0.1 (real DHT, real averagers, real expert transfers) with one torch thread each; the centralized arm is one
+`peer.run` process with the whole global batch and no sync. All arms see the same total tokens, the same model
+shape, the same schedule and the same held-out blocks. Rounds are blocking (`sync.overlap: false`) and held-out
+loss is evaluated right after each round (eval_every = H), so every peer evaluates the synchronized model; the
+swarm's loss at a step is the mean over its peers.
+
+Reported per arm: held-out loss at 25/50/100 % of the token budget, ratio to centralized, wall time, CPU seconds
+(all processes of the arm, from wait4: robust to other load on the machine, unlike wall time), peak RSS of the
+largest peer process, tensor bytes per peer (sent + received, from the peers' metrics.jsonl), and the smallest
+shared all-reduce group seen (a round with fewer than --peers members means a peer missed it: a flawed run).
+Writes results.json, table.md and two PNGs (loss vs tokens, loss vs wall time) into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.common import REPO_ROOT, format_table, logger, setup_logging
+
+# Shapes: "default" ~3.5 M parameters (8 experts top-2), trains meaningfully on 2 CPU cores in minutes per arm.
+SCALES: dict[str, dict[str, Any]] = {
+    "smoke": dict(model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, expert_hidden=128,
+                             seq_len=64), batch=8, steps=20, every=10, eval_blocks=32, threads=1),
+    "default": dict(model=dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, num_experts=8, expert_hidden=256,
+                               seq_len=128), batch=16, steps=600, every=50, eval_blocks=256, threads=1),
+    # For a bigger machine (one GPU or many cores): ~60 M parameters, 16 experts.
+    "large": dict(model=dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, num_experts=16, expert_hidden=1024,
+                             seq_len=512), batch=16, steps=4000, every=100, eval_blocks=512, threads=0),
+}
+
+
+@dataclass
+class Arm:
+    """One training setup: how many peers, which experts each owns, and config overrides."""
+    name: str
+    label: str
+    peers: int
+    experts: list[str]                       # --experts for each peer
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _split(num_experts: int, peers: int, replication: int) -> list[str]:
+    """Peer i owns a contiguous block; `replication` peers share each block (SPEC §1: node p owns p*m..p*m+m-1)."""
+    groups = peers // replication
+    if groups == 0 or num_experts % groups:
+        raise ValueError(f"{num_experts} experts cannot be split over {groups} groups of {replication} peers")
+    m = num_experts // groups
+    return [f"{(i // replication) * m}-{(i // replication) * m + m - 1}" for i in range(peers)]
+
+
+def merge_settings(alpha: float, steps: int, every: int, topk: int) -> dict[str, Any]:
+    """Paper-like warm-up scaled to this run: every 2 rounds, alpha decayed to 0 over the first 40 % of steps."""
+    return {"interval": 2 * every, "alpha": alpha, "decay_steps": max(1, int(0.4 * steps)), "topk": topk}
+
+
+def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list[float]) -> list[Arm]:
+    E, steps, every = scale["model"]["num_experts"], scale["steps"], scale["every"]
+    topk = max(1, E // 4)  # the reference's k = 4 of 16 experts, scaled to this expert count
+    merge_on = {"sync": {"merge": merge_settings(0.05, steps, every, topk)}}
+    merge_off = {"sync": {"merge": merge_settings(0.0, steps, every, topk)}}
+    spes = _split(E, peers, 1)
+    catalog = {
+        "centralized": lambda: Arm("centralized", "centralized (1 peer, global batch)", 1, ["all"],
+                                   {"sync": {"every": 0}}),
+        "diloco": lambda: Arm("diloco", f"DiLoCo ({peers} peers, all experts, avg)", peers, ["all"] * peers, merge_off),
+        "spes": lambda: Arm("spes", "SPES (merge warm-up)", peers, spes, merge_on),
+        "spes_nomerge": lambda: Arm("spes_nomerge", "SPES, no merge", peers, spes, merge_off),
+        "spes_nesterov": lambda: Arm("spes_nesterov", "SPES + Nesterov outer", peers, spes,
+                                     _deep_merge(merge_on, {"sync": {"outer": "nesterov"}})),
+        "spes_repl2": lambda: Arm("spes_repl2", "SPES, replication 2", peers, _split(E, peers, 2), merge_on),
+        "spes_decayedlb": lambda: Arm("spes_decayedlb", "SPES + decayed LB loss", peers, spes,
+                                      _deep_merge(merge_on, {"train": {"decayed_lb": True}})),
+        # Levers beyond the issue's seven: sync twice as often (a SPES round costs ~0.61 of a DiLoCo round, so
+        # this is ~1.2x DiLoCo's bytes), and the best combination.
+        "spes_halfh": lambda: Arm("spes_halfh", f"SPES, H = {every // 2}", peers, spes,
+                                  _deep_merge(merge_off, {"sync": {"every": every // 2}})),
+        "diloco_halfh": lambda: Arm("diloco_halfh", f"DiLoCo, H = {every // 2}", peers, ["all"] * peers,
+                                    _deep_merge(merge_off, {"sync": {"every": every // 2}})),
+    }
+    arms = []
+    for name in names:
+        if name not in catalog:
+            raise ValueError(f"unknown arm {name!r}; choose from {', '.join(catalog)}")
+        arms.append(catalog[name]())
+    for alpha in alphas:
+        arms.append(Arm(f"spes_alpha{alpha:g}", f"SPES, merge alpha0 {alpha:g}", peers, spes,
+                        {"sync": {"merge": merge_settings(alpha, steps, every, topk)}}))
+    return arms
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for key, value in extra.items():
+        out[key] = _deep_merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def arm_config(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
+    """The YAML config of one arm's peers. Equal tokens: the centralized batch is the sum of the swarm's."""
+    batch = scale["batch"] * (peers if arm.peers == 1 else 1)
+    cfg = {
+        "run_id": f"bench-{arm.name}",
+        "model": dict(scale["model"], vocab_size=320, top_k=2, frozen_expert_dtype="bfloat16"),
+        "train": {"batch_size": batch, "lr": 0.003, "warmup_steps": max(1, scale["steps"] // 10),
+                  "max_steps": scale["steps"], "seed": 0, "log_every": scale["every"],
+                  "eval_every": scale["every"], "eval_batches": max(1, scale["eval_blocks"] // batch),
+                  "checkpoint_every": 0},
+        "data": {"dataset": "builtin", "tokenizer": "builtin"},
+        # The all-reduce starts as soon as all peers joined (target_group_size); the long matchmaking window
+        # only matters when a peer is late (a loaded machine), and then keeps it in the round.
+        "sync": {"every": scale["every"], "compression": "none", "outer": "avg", "overlap": False,
+                 "matchmaking_time": 20.0, "round_timeout": 90.0, "target_group_size": peers},
+    }
+    return _deep_merge(cfg, arm.overrides)
+
+
+def _start_bootstrap(log_path: Path) -> tuple[subprocess.Popen, str]:
+    """A plain hivemind DHT node as the arm's bootstrap; returns it and its multiaddr."""
+    exe = shutil.which("hivemind-dht") or str(Path(sys.executable).parent / "hivemind-dht")
+    log = open(log_path, "w")
+    proc = subprocess.Popen([exe, "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        match = re.search(r"--initial_peers (\S+)", log_path.read_text())
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"hivemind-dht exited: {log_path.read_text()[-500:]}")
+        time.sleep(0.2)
+    _stop(proc)
+    raise RuntimeError("hivemind-dht did not print its address within 60 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 20 s; its process group too (the DHT's p2pd)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait_rusage(procs: list[subprocess.Popen], timeout: float) -> list[dict[str, float]]:
+    """Wait for every process; per process: exit code, CPU seconds (with its waited children: DHT, averagers)
+    and peak RSS (largest of it and its children), from wait4."""
+    deadline = time.monotonic() + timeout
+    results: dict[int, dict[str, float]] = {}
+    while len(results) < len(procs):
+        for proc in procs:
+            if proc.pid in results:
+                continue
+            pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                results[pid] = {"rc": proc.returncode, "cpu_s": ru.ru_utime + ru.ru_stime,
+                                "maxrss": ru.ru_maxrss * 1024}
+        if time.monotonic() > deadline:
+            for proc in procs:
+                if proc.pid not in results:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            raise TimeoutError(f"arm did not finish within {timeout:.0f} s")
+        time.sleep(0.5)
+    return [results[p.pid] for p in procs]
+
+
+def run_arm(arm: Arm, scale: dict[str, Any], peers: int, out: Path, timeout: float) -> dict[str, Any]:
+    """Run one arm to the end; returns its curves and costs."""
+    arm_dir = out / arm.name
+    shutil.rmtree(arm_dir, ignore_errors=True)
+    arm_dir.mkdir(parents=True)
+    cfg_path = arm_dir / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(arm_config(arm, scale, peers), sort_keys=False))
+    env = dict(os.environ, OMP_NUM_THREADS=str(scale["threads"] or os.cpu_count()), PYTHONUNBUFFERED="1")
+    bootstrap, maddr = (None, None)
+    procs: list[subprocess.Popen] = []
+    started = time.time()
+    try:
+        if arm.peers > 1:
+            bootstrap, maddr = _start_bootstrap(arm_dir / "bootstrap.log")
+            started = time.time()
+        for i in range(arm.peers):
+            cmd = [sys.executable, "-m", "peer.run", "--config", str(cfg_path), "--run-dir", str(arm_dir / f"peer{i}"),
+                   "--experts", arm.experts[i], "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+            if maddr:
+                cmd += ["--initial-peers", maddr]
+            log = open(arm_dir / f"peer{i}.log", "w")
+            procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        usage = _wait_rusage(procs, timeout)
+        wall = time.time() - started
+    finally:
+        for proc in procs:
+            _stop(proc)
+        if bootstrap is not None:
+            _stop(bootstrap)
+    failed = [i for i, u in enumerate(usage) if u["rc"] != 0]
+    if failed:
+        tail = (arm_dir / f"peer{failed[0]}.log").read_text()[-1500:]
+        raise RuntimeError(f"arm {arm.name}: peer(s) {failed} exited non-zero:\n{tail}")
+    return summarize(arm, arm_dir, started, wall, usage)
+
+
+def summarize(arm: Arm, arm_dir: Path, started: float, wall: float, usage: list[dict[str, float]]) -> dict[str, Any]:
+    """Curves (swarm tokens, wall seconds, mean held-out loss over peers) and costs of a finished arm."""
+    per_peer = []
+    for i in range(arm.peers):
+        lines = (arm_dir / f"peer{i}" / "metrics.jsonl").read_text().splitlines()
+        per_peer.append([json.loads(l) for l in lines if l.strip()])
+    evals: dict[int, list[dict]] = {}
+    for records in per_peer:
+        for r in records:
+            if "eval_loss" in r:
+                evals.setdefault(r["step"], []).append(r)
+    curve = [{"step": step, "tokens": sum(r["tokens"] for r in rs), "seconds": max(r["time"] for r in rs) - started,
+              "eval_loss": sum(r["eval_loss"] for r in rs) / len(rs)}
+             for step, rs in sorted(evals.items()) if len(rs) == arm.peers]
+    bytes_per_peer = []
+    for i, records in enumerate(per_peer):
+        last = next((r for r in reversed(records) if "bytes_sent" in r), None)
+        if last is not None:
+            bytes_per_peer.append(sum(last["bytes_sent"].values()) + sum(last["bytes_received"].values()))
+            continue
+        # Older builds log the totals once at the end: "tensor bytes on the wire (sent + received): {...}".
+        logged = re.findall(r"bytes on the wire \(sent \+ received\): (\{[^}]*\})", (arm_dir / f"peer{i}.log").read_text())
+        if logged:
+            bytes_per_peer.append(sum(json.loads(logged[-1].replace("'", '"')).values()))
+    groups = [int(g) for i in range(arm.peers)
+              for g in re.findall(r"shared group (\d+)", (arm_dir / f"peer{i}.log").read_text())]
+    return {"arm": arm.name, "label": arm.label, "peers": arm.peers, "experts": arm.experts, "curve": curve,
+            "wall_s": wall, "cpu_s": sum(u["cpu_s"] for u in usage), "peak_rss": max(u["maxrss"] for u in usage),
+            "bytes_per_peer": (sum(bytes_per_peer) / len(bytes_per_peer)) if bytes_per_peer else None,
+            "min_group": min(groups) if groups else None, "rounds": len(groups) // max(arm.peers, 1)}
+
+
+def loss_at(curve: list[dict], fraction: float) -> float | None:
+    """Held-out loss at the last evaluation within `fraction` of the token budget."""
+    if not curve:
+        return None
+    budget = curve[-1]["tokens"]
+    inside = [p for p in curve if p["tokens"] <= fraction * budget * 1.0001]
+    return inside[-1]["eval_loss"] if inside else None
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    central = next((r for r in results if r["arm"] == "centralized"), None)
+    ref = loss_at(central["curve"], 1.0) if central else None
+    rows = []
+    for r in results:
+        losses = [loss_at(r["curve"], f) for f in (0.25, 0.5, 1.0)]
+        final = losses[-1]
+        rows.append([r["label"], *(f"{l:.4f}" if l is not None else "-" for l in losses),
+                     f"{final / ref:.3f}" if (ref and final) else "-", f"{r['wall_s']:.0f}", f"{r['cpu_s']:.0f}",
+                     f"{r['peak_rss'] / 2**20:.0f}",
+                     f"{r['bytes_per_peer'] / 2**20:.1f}" if r["bytes_per_peer"] is not None else "-",
+                     f"{r['min_group']}/{r['peers']}" if r["min_group"] is not None else "-"])
+    return format_table(["arm", "loss@25%", "loss@50%", "loss@100%", "÷ central", "wall s", "CPU s",
+                         "peak RSS MiB", "MiB/peer", "min group"], rows)
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Held-out loss vs swarm tokens and vs wall time, all arms on one figure each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for key, xlabel, name in (("tokens", "tokens trained (all peers, millions)", "convergence_tokens.png"),
+                              ("seconds", "wall time (s)", "convergence_wall.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+        for r in results:
+            xs = [p[key] / (1e6 if key == "tokens" else 1) for p in r["curve"]]
+            ax.plot(xs, [p["eval_loss"] for p in r["curve"]], marker=".", label=r["label"])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.convergence", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", choices=sorted(SCALES), default="default", help="model shape and token budget")
+    p.add_argument("--arms", default="centralized,diloco,spes,spes_nomerge,spes_nesterov,spes_repl2,spes_decayedlb",
+                   help="comma list of arms to run, in order")
+    p.add_argument("--alpha-sweep", default="", help="comma list of merge alpha0 values: one extra SPES arm each")
+    p.add_argument("--peers", type=int, default=4, help="peers per swarm arm")
+    p.add_argument("--steps", type=int, help="local steps per peer (default: the scale's)")
+    p.add_argument("--every", type=int, help="sync every H steps (default: the scale's)")
+    p.add_argument("--out", default="bench/results/convergence", help="where logs, results.json, table and PNGs go")
+    p.add_argument("--arm-timeout", type=float, default=3600, help="seconds before an arm is killed")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the arms already in --out/results.json (same scale and peers) and run only the others")
+    args = p.parse_args(argv)
+    setup_logging()
+    scale = dict(SCALES[args.scale])
+    scale["steps"] = args.steps or scale["steps"]
+    scale["every"] = args.every or scale["every"]
+    alphas = [float(a) for a in args.alpha_sweep.split(",") if a.strip()]
+    names = [a.strip() for a in args.arms.split(",") if a.strip()]
+    arms = build_arms(names, scale, args.peers, alphas)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    previous = out / "results.json"
+    if args.resume and previous.exists():
+        saved = json.loads(previous.read_text())
+        if saved["scale"] == scale and saved["peers"] == args.peers:
+            keep = {r["arm"]: r for r in saved["results"]}
+            results = [keep[a.name] for a in arms if a.name in keep]
+            logger.info(f"resuming: kept {[r['arm'] for r in results]} from {previous}")
+    done = {r["arm"] for r in results}
+    for arm in arms:
+        if arm.name in done:
+            continue
+        logger.info(f"arm {arm.name}: {arm.peers} peer(s), experts {arm.experts}")
+        results.append(run_arm(arm, scale, args.peers, out, args.arm_timeout))
+        logger.info(f"arm {arm.name} done in {results[-1]['wall_s']:.0f}s")
+        (out / "results.json").write_text(json.dumps({"scale": scale, "peers": args.peers, "results": results}, indent=1))
+    order = {a.name: i for i, a in enumerate(arms)}
+    results.sort(key=lambda r: order[r["arm"]])
+    text = table(results)
+    (out / "table.md").write_text(text + "\n")
+    for path in plot(results, out):
+        logger.info(f"wrote {path}")
+    sys.stdout.write(f"scale {args.scale}: {scale['model']}, batch {scale['batch']} x {args.peers} peers, "
+                     f"{scale['steps']} steps, H = {scale['every']}\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
