@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,13 +15,27 @@ import pytest
 from tests.conftest import REPO, peer_cmd
 
 
+# Every process this test starts (and their p2pd daemons: hivemind passes its environment on) carries this
+# marker, so daemons of other work on the machine are not mistaken for leaks.
+MARK = ("SPES_E2E_TEST", uuid.uuid4().hex)
+ENV = dict(os.environ, **{MARK[0]: MARK[1]})
+
+
 def _p2pd_pids() -> set[str]:
+    """p2pd daemons started by this test that are still alive."""
     out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
-    return set(out.split())
+    mine = set()
+    for pid in out.split():
+        try:
+            if f"{MARK[0]}={MARK[1]}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                mine.add(pid)
+        except OSError:  # exited meanwhile
+            pass
+    return mine
 
 
 def _start_bootstrap() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(["hivemind-dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+    proc = subprocess.Popen(["hivemind-dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -35,7 +51,6 @@ def _start_bootstrap() -> tuple[subprocess.Popen, str]:
 
 @pytest.mark.slow
 def test_three_peer_processes_through_hivemind_dht(tmp_path):
-    before = _p2pd_pids()
     bootstrap, maddr = _start_bootstrap()
     peers: list[subprocess.Popen] = []
     try:
@@ -46,7 +61,7 @@ def test_three_peer_processes_through_hivemind_dht(tmp_path):
                          "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-dir", str(run_dir), "--run-id", "e2e",
                          "--max-steps", "40", "--sync-every", "10", "--set", "sync.matchmaking_time=2",
                          "--set", "sync.round_timeout=30", "--set", "train.eval_every=0"),
-                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outputs = [p.communicate(timeout=400) for p in peers]
         for p, (_, err) in zip(peers, outputs):
             assert p.returncode == 0, err[-3000:]
@@ -66,6 +81,6 @@ def test_three_peer_processes_through_hivemind_dht(tmp_path):
         except subprocess.TimeoutExpired:
             bootstrap.kill()
     deadline = time.time() + 15
-    while _p2pd_pids() - before and time.time() < deadline:
+    while _p2pd_pids() and time.time() < deadline:
         time.sleep(0.5)
-    assert not (_p2pd_pids() - before), "p2pd daemons left behind"
+    assert not _p2pd_pids(), "p2pd daemons left behind"
