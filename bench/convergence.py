@@ -294,10 +294,15 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
     paths = []
     for key, xlabel, name in (("tokens", "tokens trained (all peers, millions)", "convergence_tokens.png"),
                               ("seconds", "wall time (s)", "convergence_wall.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-        for r in results:
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+        colors = plt.get_cmap("tab20").colors
+        for i, r in enumerate(results):
             xs = [p[key] / (1e6 if key == "tokens" else 1) for p in r["curve"]]
-            ax.plot(xs, [p["eval_loss"] for p in r["curve"]], marker=".", label=r["label"])
+            # Centralized in black, DiLoCo arms dashed, SPES arms solid: 11 arms stay tellable apart.
+            style = dict(color="black", linewidth=2.2) if r["arm"] == "centralized" else \
+                dict(color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
+                     linestyle="--" if r["arm"].startswith("diloco") else "-")
+            ax.plot(xs, [p["eval_loss"] for p in r["curve"]], marker=".", label=r["label"], **style)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out loss (nats/token)")
         ax.grid(alpha=0.3)
@@ -320,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, help="sync every H steps (default: the scale's)")
     p.add_argument("--out", default="bench/results/convergence", help="where logs, results.json, table and PNGs go")
     p.add_argument("--arm-timeout", type=float, default=3600, help="seconds before an arm is killed")
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: rewrite the table and PNGs from --out/results.json")
     p.add_argument("--resume", action="store_true",
                    help="keep the arms already in --out/results.json (same scale and peers) and run only the others")
     args = p.parse_args(argv)
@@ -340,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             keep = {r["arm"]: r for r in saved["results"]}
             results = [keep[a.name] for a in arms if a.name in keep]
             logger.info(f"resuming: kept {[r['arm'] for r in results]} from {previous}")
+    if args.replot:
+        results = json.loads(previous.read_text())["results"]
     done = {r["arm"] for r in results}
-    for arm in arms:
+    for arm in arms if not args.replot else []:
         if arm.name in done:
             continue
         logger.info(f"arm {arm.name}: {arm.peers} peer(s), experts {arm.experts}")
@@ -349,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info(f"arm {arm.name} done in {results[-1]['wall_s']:.0f}s")
         (out / "results.json").write_text(json.dumps({"scale": scale, "peers": args.peers, "results": results}, indent=1))
     order = {a.name: i for i, a in enumerate(arms)}
-    results.sort(key=lambda r: order[r["arm"]])
+    results.sort(key=lambda r: order.get(r["arm"], len(order)))
     text = table(results)
     (out / "table.md").write_text(text + "\n")
     for path in plot(results, out):
