@@ -10,7 +10,6 @@ import asyncio
 import errno
 import functools
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from sync.swarm import PeerRecord, Swarm, SwarmError, start_dht_node
+from sync.swarm import PeerRecord, Swarm, SwarmError, busy_tcp_port, start_dht_node
 
 logger = get_logger(__name__)
 
@@ -49,36 +48,10 @@ def check_maddrs(maddrs: Sequence[str], flag: str) -> None:
 
 
 def check_ports_free(host_maddrs: Sequence[str]) -> None:
-    """Refuse a TCP listen port that another process already listens on.
-
-    p2pd binds with SO_REUSEPORT, so a second p2pd on the same port (e.g. a second bootstrap node) would start
-    and silently share the port; a probe bind without SO_REUSEPORT sees any listener. SO_REUSEADDR lets it ignore
-    the TIME_WAIT connections a node restarted on the same port leaves behind.
-    """
-    for text in host_maddrs:
-        maddr = Multiaddr(text)
-        names = {p.name for p in maddr.protocols()}
-        if "tcp" not in names or not names & {"ip4", "ip6"}:
-            continue  # DNS names, QUIC, ...: nothing to probe here; p2pd reports its own errors
-        port = int(maddr.value_for_protocol("tcp"))
-        if port == 0:
-            continue
-        family = socket.AF_INET6 if "ip6" in names else socket.AF_INET
-        host = maddr.value_for_protocol("ip6" if family == socket.AF_INET6 else "ip4")
-        try:
-            probe = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue  # no IPv6 on this machine: p2pd will listen on the other addresses
-        with probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # Go listens on tcp6 as v6-only, so must the probe
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    raise BootstrapError(f"port {port} is in use ({text})") from None
-                # Other failures (no such local address, ...) are p2pd's to report or to survive.
+    """Refuse a TCP listen port that another process already listens on (see sync.swarm.busy_tcp_port)."""
+    busy = busy_tcp_port(host_maddrs)
+    if busy is not None:
+        raise BootstrapError(f"port {busy[0]} is in use ({busy[1]})")
 
 
 @dataclass

@@ -9,13 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio.subprocess
 import ctypes
-import errno
 import gc
 import logging
 import os
 import re
 import signal
-import socket
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -101,36 +99,11 @@ def parse_maddrs(flag: str, maddrs: Sequence[str]) -> list[Multiaddr]:
 
 
 def check_host_ports(maddrs: Sequence[Multiaddr]) -> None:
-    """Fail now, with the port named, if a fixed TCP port to listen on is already taken.
-
-    hivemind's p2pd listens with SO_REUSEPORT, so a second peer on the same port would *not* fail: it would
-    silently share the port with the first one. A plain bind (SO_REUSEADDR only, like p2pd, so sockets in
-    TIME_WAIT do not count) fails against any listener, p2pd or not.
-    """
-    for maddr in maddrs:
-        names = [p.name for p in maddr.protocols()]
-        if "tcp" not in names or not {"ip4", "ip6"} & set(names):
-            continue  # dns names, udp/quic: left to the daemon
-        port = int(maddr.value_for_protocol("tcp"))
-        if port == 0:
-            continue
-        family, host = ((socket.AF_INET, maddr.value_for_protocol("ip4")) if "ip4" in names
-                        else (socket.AF_INET6, maddr.value_for_protocol("ip6")))
-        try:
-            probe = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue  # no IPv6 here: p2pd listens on the other addresses or reports it
-        with probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # Go listens on tcp6 sockets as v6-only: probe the same way
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    raise ConfigError(f"port {port} is in use ({maddr})") from None
-                # Anything else (an address not on this machine, ...) is p2pd's to report, or to survive when
-                # another of the addresses works.
+    """Fail now, with the port named, if a fixed TCP port to listen on is already taken (see busy_tcp_port)."""
+    from sync.swarm import busy_tcp_port
+    busy = busy_tcp_port(maddrs)
+    if busy is not None:
+        raise ConfigError(f"port {busy[0]} is in use ({busy[1]})")
 
 
 def explain_swarm_error(message: str) -> str:

@@ -8,7 +8,9 @@ before use because any peer can write any subkey.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -17,6 +19,7 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
+from hivemind.utils.multiaddr import Multiaddr
 
 logger = get_logger(__name__)
 
@@ -59,6 +62,41 @@ def _is_peer_id(text: str) -> bool:
         return True
     except Exception:  # any peer can write any subkey: a garbage one is skipped, not trusted
         return False
+
+
+def busy_tcp_port(host_maddrs: Sequence[str | Multiaddr]) -> tuple[int, str] | None:
+    """The first fixed TCP port among `host_maddrs` that something already listens on, with its multiaddr.
+
+    hivemind's p2pd listens with SO_REUSEPORT, so a second node on a taken port would not fail: it would silently
+    share the port. A plain probe bind (SO_REUSEADDR only, as p2pd, so TIME_WAIT sockets of a node restarted on
+    the same port do not count) fails against any listener. Port 0, DNS names and non-TCP addresses are skipped:
+    p2pd reports its own errors for those. There is a short race until p2pd binds.
+    """
+    for text in host_maddrs:
+        maddr = Multiaddr(str(text))
+        names = {p.name for p in maddr.protocols()}
+        if "tcp" not in names or not names & {"ip4", "ip6"}:
+            continue
+        port = int(maddr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if "ip6" in names else socket.AF_INET
+        host = maddr.value_for_protocol("ip6" if family == socket.AF_INET6 else "ip4")
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this machine: p2pd listens on the other addresses or reports it
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # Go listens on tcp6 sockets as v6-only: probe the same way
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return port, str(text)
+                # Anything else (an address not on this machine, ...) is p2pd's to report or to survive.
+    return None
 
 
 def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
