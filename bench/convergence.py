@@ -134,7 +134,8 @@ def arm_config(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
         # The all-reduce starts as soon as all peers joined (target_group_size); the long matchmaking window
         # only matters when a peer is late (a loaded machine), and then keeps it in the round.
         "sync": {"every": scale["every"], "compression": "none", "outer": "avg", "overlap": False,
-                 "matchmaking_time": 20.0, "round_timeout": 90.0, "target_group_size": peers},
+                 "matchmaking_time": 20.0, "round_timeout": 90.0, "target_group_size": peers,
+                 "wait_for_peers": peers},  # nobody trains (and syncs alone) before all peers are there
     }
     return _deep_merge(cfg, arm.overrides)
 

@@ -56,6 +56,14 @@ class PeerNode:
                 self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync,
                                        set_owned=self.trainer.set_owned_experts)
                 self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens) or self.trainer.rounds
+                want = cfg.sync.wait_for_peers
+                if want > 1:
+                    seen = self.sync.wait_for_peers(want, cfg.sync.round_timeout)
+                    if seen < want:
+                        logger.warning(f"[{self.trainer.log_prefix}] only {seen} of {want} peers after "
+                                       f"{cfg.sync.round_timeout:.0f}s: starting anyway")
+                    else:
+                        logger.info(f"[{self.trainer.log_prefix}] {seen} peers in the run: starting")
                 self._tokens_at_round = self.trainer.tokens
                 self.trainer.step_hooks.append(self._maybe_sync)
                 self.trainer.end_hooks.append(self._finish)

@@ -39,6 +39,9 @@ class SyncConfig:
     # Start an all-reduce as soon as this many peers joined its group instead of after the whole matchmaking
     # time (0 = no target: always wait matchmaking_time). For organized runs that know their peer count.
     target_group_size: int = 0
+    # Before the first step, wait until this many peers (this one included) have records in the run, at most
+    # round_timeout seconds (0 = start at once). For organized starts: no peer runs its first rounds alone.
+    wait_for_peers: int = 0
     # Seconds an ownership record lives without a heartbeat (a dead peer's experts are orphaned after this).
     record_ttl: float = 30.0
     # Run a round's network part in the background while training continues (one-round-delayed update).
@@ -64,6 +67,8 @@ class SyncConfig:
             raise ValueError(f"sync.outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.max_experts_per_peer < 0:
             raise ValueError(f"sync.max_experts_per_peer must be >= 0, got {self.max_experts_per_peer}")
+        if self.wait_for_peers < 0:
+            raise ValueError(f"sync.wait_for_peers must be >= 0, got {self.wait_for_peers}")
         if self.target_group_size < 0 or self.target_group_size == 1:
             raise ValueError(f"sync.target_group_size must be 0 (none) or >= 2, got {self.target_group_size}")
         if self.matchmaking_time >= self.round_timeout:

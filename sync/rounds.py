@@ -111,6 +111,16 @@ class SparseSync:
         self.swarm.start_heartbeat()
         return self.round_id
 
+    def wait_for_peers(self, count: int, timeout: float, poll: float = 0.5) -> int:
+        """Block until `count` peers (this one included) have live records, at most `timeout` seconds; returns
+        how many were seen. Called once after join, before training."""
+        deadline = time.monotonic() + timeout
+        seen = len(self.swarm.peers())
+        while seen < count and time.monotonic() < deadline:
+            time.sleep(poll)
+            seen = len(self.swarm.peers())
+        return seen
+
     def _others(self, records: dict[str, PeerRecord] | None = None) -> dict[str, PeerRecord]:
         records = self.swarm.peers() if records is None else records
         return {p: r for p, r in records.items() if p != self.swarm.peer_id}

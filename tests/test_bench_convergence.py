@@ -29,6 +29,9 @@ def test_convergence_smoke(tmp_path):
         assert arm["curve"][-1]["tokens"] == results["centralized"]["curve"][-1]["tokens"]
     spes = results["spes"]
     assert spes["min_group"] == 2 and spes["rounds"] == 2          # both rounds averaged with both peers
+    # sync.wait_for_peers: neither peer started training before the other was in the run.
+    for i in range(2):
+        assert "2 peers in the run: starting" in (out / "spes" / f"peer{i}.log").read_text()
     assert spes["bytes_per_peer"] and spes["bytes_per_peer"] > 0    # tensors really travelled
     assert results["centralized"]["bytes_per_peer"] is None
     # The loss went down from its start (ln 320 ~ 5.77) on the held-out blocks in both arms.

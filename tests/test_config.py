@@ -38,6 +38,7 @@ def test_overrides_apply_in_order_and_parse_types():
     ("train.device=tpu", "train.device"),
     ("sync=3", "expected a mapping"),
     ("sync.target_group_size=1", "sync.target_group_size"),
+    ("sync.wait_for_peers=-1", "sync.wait_for_peers"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
