@@ -147,7 +147,8 @@ def running_swarm(model_cfg: "ModelConfig", owned: Sequence[Sequence[int]], sync
     initial: list[str] = []
     try:
         for experts in owned:
-            dht = start_dht(initial, LOOPBACK)
+            dht = start_dht(initial, LOOPBACK, run_id=run_id, num_experts=model_cfg.num_experts,
+                            record_ttl=sync_cfg.record_ttl)
             try:
                 if not initial:
                     initial.extend(str(m) for m in dht.get_visible_maddrs())

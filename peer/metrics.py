@@ -76,6 +76,10 @@ class PeerMetrics:
                                  "or with sync off)", registry=r)
         self.rejected = Counter("spes_rejected_tensors", "Received tensors refused by validation, by reason",
                                 ["reason"], registry=r)
+        self.alone_rounds = Gauge("spes_sync_alone_rounds", "Sync rounds in a row this peer averaged with nobody "
+                                  "while other peers were in the run", registry=r)
+        self.rollbacks = Counter("spes_sync_rollbacks", "Applied rounds rolled back after a non-finite loss",
+                                 registry=r)
         self.parameters = Gauge("spes_parameters", "Parameter counts of the local model", ["kind"], registry=r)
         # Every label value exists from the start: a series that appears only on its first event breaks rate().
         for kind in BYTE_KINDS:
@@ -168,9 +172,11 @@ class PeerMetrics:
         self.round_seconds.observe(seconds)
 
     def observe_sync(self, blocked_seconds: float, bytes_sent: Mapping[str, int], bytes_received: Mapping[str, int],
-                     rejected: Mapping[str, int]) -> None:
+                     rejected: Mapping[str, int], alone_rounds: int = 0, rollbacks: int = 0) -> None:
         """The sync side's cumulative counters (any thread)."""
         self._mirror(self.blocked, blocked_seconds)
+        self._mirror(self.rollbacks, rollbacks)
+        self.alone_rounds.set(alone_rounds)
         for kind in BYTE_KINDS:
             self._mirror(self.bytes_sent, bytes_sent.get(kind, 0), kind=kind)
             self._mirror(self.bytes_received, bytes_received.get(kind, 0), kind=kind)

@@ -21,8 +21,26 @@ from peer.train import Trainer
 from sync.merge import merge_alpha
 from sync.rounds import RoundReport, SparseSync
 from sync.swarm import Swarm, start_dht
+from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
+
+
+def round_token_cap(cfg: RunConfig) -> int:
+    """The most tokens one peer can train between two rounds at the run's batch settings: the cap on any peer's
+    all-reduce weight (a claimed weight of 1e9 counts as this much, issue 9). Sequences are seq_len + 1 tokens
+    long for next-token targets, so seq_len tokens per sequence is an upper bound of what a step trains."""
+    t = cfg.train
+    return cfg.sync.every * t.grad_accum * t.batch_size * cfg.model.seq_len * max(1, getattr(t, "world_size", 1))
+
+
+def _load_admission(cfg: RunConfig, identity_path: str | None):
+    """A closed run's policy (sync.admission) or None for an open run."""
+    admission_cfg = getattr(cfg, "admission", None)
+    if admission_cfg is None or not getattr(admission_cfg, "organizer_key", ""):
+        return None
+    from sync.admission import load_admission
+    return load_admission(admission_cfg, cfg.run_id, identity_path)
 
 
 class PeerNode:
@@ -40,9 +58,17 @@ class PeerNode:
         self._started = time.perf_counter()
         self._tokens_at_round = 0
         data_seed = None
+        # Shared memory, created before the DHT and averager processes fork: they count refusals into it too.
+        self.rejects = RejectCounter()
+        self.admission = None
         if cfg.sync.every > 0:
-            dht = start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path)
-            self.swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl)
+            self.admission = _load_admission(cfg, identity_path)
+            dht = start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=cfg.run_id,
+                            num_experts=cfg.model.num_experts, record_ttl=cfg.sync.record_ttl,
+                            admission=self.admission, rejects=self.rejects)
+            ticket = getattr(self.admission, "own_ticket", None) or b""
+            self.swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
+                               admission=self.admission)
             for maddr in self.swarm.visible_maddrs():
                 logger.info(f"initial peer: {maddr}")
             # Each peer reads its own order of the data; the model init (train.seed) stays the same everywhere.
@@ -53,8 +79,13 @@ class PeerNode:
                                    choose_auto=self.swarm.choose_auto if self.swarm else None)
             self.trainer.log_prefix = f"{cfg.run_id} {self.short_id}"
             if self.swarm is not None:
+                gate = None
+                if self.admission is not None:
+                    from sync.admission import Gate
+                    gate = Gate(self.swarm.dht, self.admission)
                 self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync,
-                                       set_owned=self.trainer.set_owned_experts)
+                                       set_owned=self.trainer.set_owned_experts, rejects=self.rejects,
+                                       max_weight=round_token_cap(cfg), gate=gate)
                 self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens) or self.trainer.rounds
                 want = cfg.sync.wait_for_peers
                 if want > 1:
@@ -66,6 +97,7 @@ class PeerNode:
                         logger.info(f"[{self.trainer.log_prefix}] {seen} peers in the run: starting")
                 self._tokens_at_round = self.trainer.tokens
                 self.trainer.step_hooks.append(self._maybe_sync)
+                self.trainer.nonfinite_hooks.append(self._rollback)
                 self.trainer.end_hooks.append(self._finish)
                 self.trainer.record_fields.append(self._sync_fields)
             if self.metrics is not None:
@@ -84,9 +116,19 @@ class PeerNode:
     def short_id(self) -> str:
         return self.swarm.peer_id[-6:] if self.swarm else "solo"
 
+    def _rollback(self, trainer: Trainer, loss: float) -> bool:
+        """A non-finite loss right after a round was applied: restore the values from before it, train on."""
+        if self.sync is None or not self.sync.rollback():
+            return False
+        logger.warning(f"[{self.cfg.run_id} {self.short_id}] loss {loss} at step {trainer.step + 1} right after "
+                       f"applying round {trainer.rounds}: rolled back to the values before that round "
+                       f"({self.sync.rollbacks} rollback(s) so far)")
+        return True
+
     def _maybe_sync(self, trainer: Trainer) -> None:
         """After every step: apply a finished round; every `sync.every` steps start the next one."""
         start = time.perf_counter()
+        self.sync.step_done()  # this step's loss was finite: the round applied before it is kept
         self._log_round(self.sync.finish_round(block=False), trainer)
         if trainer.step % self.cfg.sync.every == 0:
             since = trainer.tokens - self._tokens_at_round
@@ -107,7 +149,8 @@ class PeerNode:
     def _sync_fields(self, trainer: Trainer) -> dict:
         """Extra metrics.jsonl fields of a syncing peer (the benchmarks read them)."""
         return {"bytes_sent": self.sync.bytes_sent(), "bytes_received": self.sync.bytes_received(),
-                "blocked_s": self.blocked_seconds}
+                "blocked_s": self.blocked_seconds, "rejected": self.sync.rejects.counts(),
+                "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""
@@ -116,7 +159,8 @@ class PeerNode:
         self.metrics.observe_trainer(trainer, merge_alpha=alpha)
         if syncing:
             self.metrics.observe_sync(self.blocked_seconds, self.sync.bytes_sent(), self.sync.bytes_received(),
-                                      self.sync.rejects.counts())
+                                      self.sync.rejects.counts(), alone_rounds=self.sync.rounds_alone,
+                                      rollbacks=self.sync.rollbacks)
 
     def _log_round(self, report: RoundReport | None, trainer: Trainer) -> None:
         if report is None:

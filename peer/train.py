@@ -55,6 +55,14 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+class NonFiniteLoss(ArithmeticError):
+    """A step's loss was NaN/inf; nothing was updated."""
+
+    def __init__(self, loss: float):
+        super().__init__(f"non-finite loss {loss}")
+        self.loss = loss
+
+
 class Trainer:
     """Trains one peer's share of the model. Call `run()`; `request_stop()` ends it after the current step."""
 
@@ -85,6 +93,9 @@ class Trainer:
         self.end_hooks: list[Callable[["Trainer"], None]] = []
         # Extra fields for each metrics.jsonl record (e.g. the peer's sync counters), so this file stays offline.
         self.record_fields: list[Callable[["Trainer"], dict]] = []
+        # Called when a step's loss is not finite, before anything is updated; a hook returning True has
+        # restored a good state (the swarm rolled back a round it had just applied), and training goes on.
+        self.nonfinite_hooks: list[Callable[["Trainer", float], bool]] = []
         # Log lines say which run and which peer they come from; PeerNode sets its short peer ID.
         self.log_prefix = f"{cfg.run_id} solo"
         self.last_loss: float | None = None  # cross-entropy of the latest step (for metrics)
@@ -153,6 +164,7 @@ class Trainer:
             group["lr"] = lr_at(self.step, tcfg)
         self.model.train()
         totals: dict[str, float] = {}
+        tokens_before = self.tokens
         count_scale_E = None
         if tcfg.decayed_lb:
             count_scale_E = decayed_lb_scale(self.step, tcfg.max_steps, self.model.owned_experts,
@@ -166,6 +178,11 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / tcfg.grad_accum
             self.tokens += batch.shape[0] * (batch.shape[1] - 1)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not math.isfinite(totals["ce"]):
+            # Before optimizer.step: NaN gradients would poison the AdamW moments for good.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.tokens = tokens_before
+            raise NonFiniteLoss(totals["ce"])
         if tcfg.grad_clip > 0:
             totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
         self.optimizer.step()
@@ -209,9 +226,12 @@ class Trainer:
         loop_start, loop_start_step = window_start, self.step
         last_saved = self.step
         while self.step < tcfg.max_steps and not self._stop:
-            parts = self.train_step()
-            if not math.isfinite(parts["ce"]):
-                raise FloatingPointError(f"loss became {parts['ce']} at step {self.step}")
+            try:
+                parts = self.train_step()
+            except NonFiniteLoss as e:
+                if any(hook(self, e.loss) for hook in self.nonfinite_hooks):
+                    continue  # restored: retry this step from the restored values
+                raise FloatingPointError(f"loss became {e.loss} at step {self.step + 1}") from None
             self.last_loss = parts["ce"]
             for hook in self.step_hooks:
                 hook(self)

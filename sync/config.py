@@ -48,6 +48,17 @@ class SyncConfig:
     overlap: bool = True
     # A received tensor is refused if its L2 norm exceeds this multiple of the local copy's.
     max_norm_ratio: float = 10.0
+    # Robust aggregation (docs/DESIGN.md, "Hostile peers"). "centered_clip": every all-reduce reducer clips each
+    # peer's contribution at clip_factor x the median distance from the coordinate-wise median (BTARD's
+    # CenteredClip; exactly the plain mean when nobody is an outlier); "mean": plain weighted averaging.
+    aggregation: str = "centered_clip"
+    clip_factor: float = 2.5
+    # A received change (all-reduce result, expert copy) is refused when it exceeds this multiple of this peer's
+    # own change over the round (relative, per tensor / per expert).
+    max_delta_ratio: float = 4.0
+    # Warn (and show in spes_sync_alone_rounds) after this many rounds in a row averaged with nobody while other
+    # peers are in the run.
+    alone_warn_rounds: int = 3
     merge: MergeConfig = field(default_factory=MergeConfig)
 
     def validate(self) -> None:
@@ -60,7 +71,12 @@ class SyncConfig:
             raise ValueError(f"sync.compression must be none|fp16|8bit, got {self.compression!r}")
         if self.outer not in ("avg", "nesterov"):
             raise ValueError(f"sync.outer must be avg|nesterov, got {self.outer!r}")
-        for name in ("round_timeout", "matchmaking_time", "record_ttl", "max_norm_ratio", "outer_lr"):
+        if self.aggregation not in ("centered_clip", "mean"):
+            raise ValueError(f"sync.aggregation must be centered_clip|mean, got {self.aggregation!r}")
+        if self.alone_warn_rounds < 1:
+            raise ValueError(f"sync.alone_warn_rounds must be >= 1, got {self.alone_warn_rounds}")
+        for name in ("round_timeout", "matchmaking_time", "record_ttl", "max_norm_ratio", "outer_lr", "clip_factor",
+                     "max_delta_ratio"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sync.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.outer_momentum < 1:

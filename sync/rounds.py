@@ -12,11 +12,20 @@ A round, started by the peer every `sync.every` local steps:
    round behind re-downloads the swarm's state instead of averaging stale values.
 `overlap: false` (or `round()`) does all of it at once, blocking.
 
+Against hostile peers (docs/DESIGN.md, "Hostile peers"): the swarm's round is the median of live records;
+the all-reduce is robust at every reducer and its result is checked against this peer's own change; expert
+copies are refused when their change since the last synchronized value is out of proportion to an honest
+round's, and 3+ copies are aggregated robustly; an owner that never serves gets short timeouts after its first;
+state downloads come from several sources chosen from verified records; and the state before each applied
+round is kept so that a non-finite loss right after it rolls back instead of killing the peer.
+
 Background processes per peer: the DHT node and one averager (each with its p2pd) — never one per expert.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import math
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +39,8 @@ from model.model import SpesMoE
 from sync.config import SyncConfig
 from sync.merge import merge_alpha, merge_deltas, merge_due
 from sync.shared import SharedAverager
-from sync.swarm import PeerRecord, Swarm
+from sync.robust import robust_mean
+from sync.swarm import PeerRecord, Swarm, median_round
 from sync.transfer import ExpertExchange
 from sync.validate import RejectCounter, validate_tensors
 
@@ -46,6 +56,7 @@ class RoundReport:
     experts_synced: list[int] = field(default_factory=list)
     experts_missing: list[int] = field(default_factory=list)  # owned elsewhere, but no usable copy arrived
     rejected: int = 0
+    peers_seen: int = 1                 # live peers in the run's records (this one included)
     expert_group_size: int = 0          # peers in the owned-experts all-reduce (0: not run)
     adopted: list[int] = field(default_factory=list)
     redownloaded: bool = False
@@ -62,6 +73,7 @@ class _Pending:
     future: concurrent.futures.Future   # -> (records, {expert: mean of owners' copies})
     behind: bool = False
     step: int = 0
+    weight: int = 0                     # tokens this peer trained since the previous round
 
 
 def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
@@ -82,14 +94,27 @@ class SparseSync:
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig,
-                 set_owned: Callable[[list[int]], None], rejects: RejectCounter | None = None):
+                 set_owned: Callable[[list[int]], None], rejects: RejectCounter | None = None,
+                 max_weight: float = math.inf, gate=None):
+        """`max_weight`: the most tokens a peer can train in one round at the run's batch settings (the cap on
+        any peer's all-reduce weight); `gate`: a closed run's door check (sync.admission.Gate), None if open."""
         self.model, self.swarm, self.cfg = model, swarm, cfg
         self.set_owned = set_owned
-        self.rejects = rejects or RejectCounter()
+        self.rejects = rejects if rejects is not None else RejectCounter()
+        self.max_weight, self.gate = max_weight, gate
         self.round_id = 0
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=cfg.compression,
-                                       rejects=self.rejects)
-        self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects)
+                                       rejects=self.rejects, gate=gate)
+        self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects, max_weight=max_weight, gate=gate)
+        # Last synchronized value of each owned expert (what its own change in a round is measured from), rounds
+        # since each expert was last synchronized, and owners that let a fetch time out (short timeouts after).
+        self._expert_synced: dict[int, Snapshot] = {}
+        self._stale: dict[int, int] = {}
+        self._strikes: dict[str, int] = {}
+        self.rounds_alone = 0
+        self.rollbacks = 0
+        self._pre_apply: tuple[list[torch.Tensor], dict[int, Snapshot]] | None = None
+        self._reset_expert_references()
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
         self._pending: _Pending | None = None
         # Experts seen with an owner: only these are adopted when orphaned (see Swarm.orphans_to_adopt).
@@ -126,14 +151,41 @@ class SparseSync:
         return {p: r for p, r in records.items() if p != self.swarm.peer_id}
 
     def _download_state(self, others: dict[str, PeerRecord]) -> None:
-        self.round_id = max(r.round for r in others.values())
-        if self.shared.load_from_peers(timeout=self.cfg.round_timeout):
-            logger.info(f"downloaded the shared tensors of round {self.round_id} from the swarm")
+        # The median, never the max: a record claiming round 1e9 neither moves this counter nor is asked for
+        # the state (sources are peers whose round is within one of the median). Never backwards.
+        swarm_round = median_round(others.values())
+        self.round_id = max(self.round_id, swarm_round)
+        sources = [p for p, r in others.items() if abs(r.round - swarm_round) <= 1]
+        random.shuffle(sources)
+        copies = self._download_shared(sources, want=3)
+        if self.shared.load_state(copies):
+            logger.info(f"downloaded the shared tensors of round {self.round_id} from {len(copies)} peer(s)")
         else:
-            logger.warning("no peer served the shared tensors: keeping the local ones")
+            logger.warning("no peer served valid shared tensors: keeping the local ones")
         means = self._fetch_means(others, set(range(self.model.cfg.num_experts)), own_snapshots={})
         for expert, mean in means.items():
             self.model.load_expert_tensors(expert, mean)
+        self._reset_expert_references()
+
+    def _download_shared(self, sources: list[str], want: int) -> list[list[torch.Tensor]]:
+        """Shared-state copies from up to `want` of `sources` (fetched concurrently, more tried if some fail)."""
+        timeout = min(self.cfg.round_timeout, 30.0)
+        prefix = self.shared.averager.prefix
+        copies: list[list[torch.Tensor]] = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, want)) as pool:
+            for start in range(0, len(sources), want):
+                batch = sources[start:start + want - len(copies)]
+                results = pool.map(lambda p: self.exchange.download_state(PeerID.from_base58(p), prefix, timeout),
+                                   batch)
+                copies.extend(r for r in results if r is not None)
+                if len(copies) >= want:
+                    break
+        return copies
+
+    def _reset_expert_references(self) -> None:
+        self._expert_synced = {e: {k: v.detach().float().cpu().clone() for k, v in self.model.expert_tensors(e).items()}
+                               for e in self.model.owned_experts}
+        self._stale = {}
 
     def _publish(self, step: int, tokens: int) -> dict[int, Snapshot]:
         snapshots = {}
@@ -160,16 +212,33 @@ class SparseSync:
         self.shared.take_snapshot()
         own = self._publish(step, tokens)
         others = self._others()
+        report.peers_seen = len(others) + 1
         replicated = any(set(r.experts) == set(own) for r in others.values())
         expert_avg = self._expert_averager(own, replicated)
-        behind = bool(others) and max(r.round for r in others.values()) > self.round_id + 1
+        behind = bool(others) and median_round(others.values()) > self.round_id + 1
+        rel_change = self._relative_change(own)
         future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last,
-                                       bool(others) and not behind, expert_avg)
-        self._pending = _Pending(report, started, own, future, behind, step)
+                                       bool(others) and not behind, expert_avg, rel_change)
+        self._pending = _Pending(report, started, own, future, behind, step, tokens_since_last)
         return previous
 
+    def _relative_change(self, own: dict[int, Snapshot]) -> float:
+        """How much an honest round changed this peer's tensors, relative to their size: the largest of the
+        shared tensors' and each owned expert's ||snapshot - last synchronized|| / ||last synchronized||."""
+        def rel(now: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+            num = math.sqrt(sum(float(torch.linalg.vector_norm(a.float() - b.float())) ** 2 for a, b in zip(now, ref)))
+            den = math.sqrt(sum(float(torch.linalg.vector_norm(b.float())) ** 2 for b in ref))
+            return num / max(den, 1e-12)
+        values = [rel(self.shared.snapshot, self.shared.synced)] if self.shared.snapshot is not None else []
+        for expert, snapshot in own.items():
+            ref = self._expert_synced.get(expert)
+            if ref is not None:
+                values.append(rel([snapshot[k] for k in ref], list(ref.values())))
+        return max(values, default=0.0)
+
     def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int, average: bool,
-                      expert_avg: SharedAverager | None) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+                      expert_avg: SharedAverager | None,
+                      rel_change: float | None = None) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
         if average:
             report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout))
         # Read the records after the all-reduce: by then every peer of the group has published this round.
@@ -183,7 +252,7 @@ class SparseSync:
             if report.expert_group_size > 1:
                 want -= set(own)  # averaged with the replicas already: nothing to fetch for them
         rejected_before = self.rejects.total()
-        means = self._fetch_means(others, want, own)
+        means = self._fetch_means(others, want, own, rel_change)
         report.rejected = self.rejects.total() - rejected_before
         owned_elsewhere = {e for r in others.values() for e in r.experts} & want
         report.experts_synced = sorted(set(means) | (set(own) - want))
@@ -222,7 +291,7 @@ class SparseSync:
         """Tensor payload bytes (after compression) this peer received so far, by kind ("shared", "expert")."""
         replicas = (self._closed_expert_avg_bytes["received"]
                     + (self._expert_avg.bytes_received() if self._expert_avg else 0))
-        return {"shared": self.shared.bytes_received(),
+        return {"shared": self.shared.bytes_received() + self.exchange.bytes_received.get("shared", 0),
                 "expert": self.exchange.bytes_received.get("expert", 0) + replicas}
 
     def bytes_on_wire(self) -> dict[str, int]:
@@ -244,25 +313,72 @@ class SparseSync:
             records, means = {}, {}
         report = pending.report
         self._pending = None
+        self._capture_pre_apply()
         if pending.behind:
             logger.info(f"fell more than one round behind the swarm: re-downloading its state")
             self._download_state(self._others())
             report.redownloaded = True
         else:
             if report.group_size > 1:
-                self.shared.apply()
+                report.rejected += self.shared.apply(tokens=pending.weight)
             synced = self._synced_owned(means, pending.own_snapshots, report.expert_group_size > 1)
             if report.expert_group_size > 1 and self._expert_avg is not None:
-                self._expert_avg.apply()
+                report.rejected += self._expert_avg.apply(tokens=pending.weight)
             self._apply_experts(means, pending.own_snapshots)
             if merge_due(pending.step, self.cfg.merge) and synced:
                 report.merge_alpha = merge_alpha(pending.step, self.cfg.merge)
                 self._merge(synced, report.merge_alpha)
+            self._expert_synced = {e: {k: v.float().clone() for k, v in synced[e].items()} for e in synced}
+            for expert in report.experts_missing:
+                self._stale[expert] = self._stale.get(expert, 0) + 1
+            for expert in means:
+                self._stale.pop(expert, None)
+        self._track_alone(report)
         report.adopted = self._adopt(records) if records else []
         now = time.perf_counter()
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
         return report
+
+    def _track_alone(self, report: RoundReport) -> None:
+        """A warning (and spes_sync_alone_rounds) when this peer keeps averaging with nobody while others exist:
+        e.g. every group it finds is refused, or its records cannot be read (issue 9, "Visibility")."""
+        if report.peers_seen > 1 and report.group_size <= 1:
+            self.rounds_alone += 1
+            if self.rounds_alone % self.cfg.alone_warn_rounds == 0:
+                logger.warning(f"averaged with nobody for {self.rounds_alone} rounds in a row although "
+                               f"{report.peers_seen - 1} other peer(s) are in the run")
+        else:
+            self.rounds_alone = 0
+
+    @torch.no_grad()
+    def _capture_pre_apply(self) -> None:
+        """Keep the model's values from just before a round is applied, for rollback()."""
+        shared = [p.detach().clone() for _, p in self.model.shared_parameters()]
+        experts = {e: {k: v.detach().clone() for k, v in self.model.expert_tensors(e).items()}
+                   for e in range(self.model.cfg.num_experts)}
+        self._pre_apply = (shared, experts)
+
+    @torch.no_grad()
+    def rollback(self) -> bool:
+        """Restore the values from before the last applied round (a non-finite loss right after applying it:
+        someone else's NaN or overflow got through). False if there is nothing to roll back to."""
+        if self._pre_apply is None:
+            return False
+        shared, experts = self._pre_apply
+        self._pre_apply = None
+        for (_, param), value in zip(self.model.shared_parameters(), shared):
+            param.copy_(value)
+        for expert, tensors in experts.items():
+            self.model.load_expert_tensors(expert, tensors)
+        self.shared.reset_reference()
+        self._reset_expert_references()
+        self.rollbacks += 1
+        return True
+
+    def step_done(self) -> None:
+        """The training loop finished a step with a finite loss after the last apply: the round is kept."""
+        self._pre_apply = None
 
     def _synced_owned(self, means: dict[int, Snapshot], own: dict[int, Snapshot], all_reduced: bool) -> dict[int, Snapshot]:
         """This round's synchronized (pre-merge) value of each expert this peer owns."""
@@ -294,43 +410,87 @@ class SparseSync:
                 mean = {k: mean[k] + (live[k].float() - own[expert][k].float()) for k in mean}
             self.model.load_expert_tensors(expert, mean)
 
-    def _fetch_means(self, others: dict[str, PeerRecord], want: set[int],
-                     own_snapshots: dict[int, Snapshot]) -> dict[int, Snapshot]:
-        """Mean of the owners' copies (validated) for each wanted expert that other peers own; an expert whose
-        every remote copy is missing or refused is left out (it keeps its local value)."""
+    def _fetch_means(self, others: dict[str, PeerRecord], want: set[int], own_snapshots: dict[int, Snapshot],
+                     rel_change: float | None = None) -> dict[int, Snapshot]:
+        """Aggregate of the owners' copies (validated) for each wanted expert that other peers own; an expert
+        whose every remote copy is missing or refused is left out (it keeps its local value).
+
+        `rel_change` (this peer's own relative change this round; None when joining, where there is no
+        synchronized value to compare with): a copy whose change from the last synchronized value exceeds
+        sync.max_delta_ratio x that (x rounds since the expert last synchronized) is refused as "delta"."""
         owners: dict[int, list[PeerRecord]] = {}
         for record in others.values():
             for expert in record.experts:
                 if expert in want:
                     owners.setdefault(expert, []).append(record)
-        futures = {}
+        futures, finished_at = {}, {}
+        started = time.monotonic()
         for expert, records in owners.items():
             for record in records:
+                # An owner that let a fetch time out before gets a short one: a claimed owner that never serves
+                # costs one timeout, not one per round.
+                timeout = self._fetch_timeout(record.peer_id)
                 # An owner that is behind serves the newest round it has; one round of staleness is expected.
                 round_id = min(self.round_id, record.round)
-                futures[(expert, record.peer_id)] = self.exchange.fetch_async(
-                    PeerID.from_base58(record.peer_id), expert, round_id, timeout=self.cfg.round_timeout)
-        concurrent.futures.wait(futures.values(), timeout=self.cfg.round_timeout + 5)
+                future = self.exchange.fetch_async(PeerID.from_base58(record.peer_id), expert, round_id,
+                                                   timeout=timeout)
+                future.add_done_callback(lambda f, key=(expert, record.peer_id): finished_at.setdefault(key, time.monotonic()))
+                futures[(expert, record.peer_id)] = (future, timeout)
+        longest = max((t for _, t in futures.values()), default=0.0)
+        concurrent.futures.wait([f for f, _ in futures.values()], timeout=longest + 5)
         means = {}
         for expert in sorted(owners):
             reference = own_snapshots.get(expert) or self.model.expert_tensors(expert)
+            synced = self._expert_synced.get(expert) if expert in own_snapshots else self.model.expert_tensors(expert)
             copies = [own_snapshots[expert]] if expert in own_snapshots else []
             fresh = 0
             for record in owners[expert]:
-                future = futures[(expert, record.peer_id)]
+                future, timeout = futures[(expert, record.peer_id)]
                 received = future.result() if future.done() and not future.exception() else None
+                elapsed = finished_at.get((expert, record.peer_id), time.monotonic()) - started
+                self._note_serving(record.peer_id, received is not None or elapsed < 0.8 * timeout)
                 if received is None:
                     continue
                 tensors, reason = validate_tensors(received, reference, max_norm_ratio=self.cfg.max_norm_ratio)
-                if tensors is None:
+                if tensors is None and reason is not None:
                     self.rejects.add(reason)
+                elif rel_change is not None and synced is not None and not self._change_ok(expert, tensors, synced,
+                                                                                           rel_change):
+                    tensors, reason = None, "delta"
+                    self.rejects.add(reason)
+                if tensors is None:
                     logger.warning(f"refused expert {expert} from peer ...{record.peer_id[-6:]}: {reason}")
                     continue
                 copies.append(tensors)
                 fresh += 1
             if fresh:
-                means[expert] = {name: torch.stack([c[name].float() for c in copies]).mean(dim=0) for name in reference}
+                if len(copies) >= 3:
+                    means[expert] = robust_mean(copies, self.cfg.clip_factor)
+                else:
+                    means[expert] = {n: torch.stack([c[n].float() for c in copies]).mean(dim=0) for n in reference}
         return means
+
+    def _change_ok(self, expert: int, tensors: Snapshot, synced: Snapshot, rel_change: float) -> bool:
+        """Is a copy's change from the expert's last synchronized value in proportion to an honest round's?"""
+        change = math.sqrt(sum(float(torch.linalg.vector_norm(tensors[k].float() - synced[k].float())) ** 2
+                               for k in synced))
+        size = math.sqrt(sum(float(torch.linalg.vector_norm(synced[k].float())) ** 2 for k in synced))
+        rounds = 1 + self._stale.get(expert, 0)
+        return change <= self.cfg.max_delta_ratio * rounds * max(rel_change, 1e-4) * max(size, 1e-12)
+
+    def _fetch_timeout(self, peer_id: str) -> float:
+        if self._strikes.get(peer_id, 0) == 0:
+            return self.cfg.round_timeout
+        return min(self.cfg.round_timeout, max(2.0, self.cfg.matchmaking_time))
+
+    def _note_serving(self, peer_id: str, served: bool) -> None:
+        if served:
+            self._strikes.pop(peer_id, None)
+        else:
+            if peer_id not in self._strikes:
+                logger.warning(f"peer ...{peer_id[-6:]} claims experts but let a fetch time out: short timeouts "
+                               f"for it from now on")
+            self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
 
     def _adopt(self, records: dict[str, PeerRecord]) -> list[int]:
         self._seen_owned |= {e for r in records.values() for e in r.experts}

@@ -8,21 +8,26 @@ DiLoCo's pseudo-gradient and takes an SGD step with Nesterov momentum from the p
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import signal
 import threading
+from typing import AsyncIterator
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.compression import SizeAdaptiveCompression, Uniform8BitQuantization
-from hivemind.proto import runtime_pb2
+from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.logging import get_logger
 
 from model.model import SpesMoE
 from sync.config import SyncConfig
 from sync.swarm import Swarm
 from sync.transfer import patch_hivemind_8bit_decoder
+from sync.robust import AggregationPolicy, coordinate_median, install_robust_reducer
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -113,11 +118,55 @@ def _install_wire_counting(counter: WireCounter) -> None:
 
 
 class _CountingAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose process counts its wire bytes into `wire`."""
+    """A DecentralizedAverager whose process counts its wire bytes into `wire`.
 
-    def __init__(self, *args, wire: WireCounter, **kwargs):
-        self._wire = wire  # set before start(): the forked process needs it in run()
+    In a closed run (`gate` given) it is also the door of the averaging protocol: a join request, an all-reduce
+    part or a state download from a peer the gate does not admit is refused, and this averager never runs an
+    all-reduce in a group that contains one (the leader chooses the group, so a leader may have let one in).
+    """
+
+    def __init__(self, *args, wire: WireCounter, gate=None, rejects: RejectCounter | None = None,
+                 policy: AggregationPolicy | None = None, **kwargs):
+        # Set before start(): the forked process needs them.
+        self._wire, self._gate, self._rejects, self._policy = wire, gate, rejects, policy
         super().__init__(*args, **kwargs)
+
+    async def _admits(self, peer_id) -> bool:
+        if self._gate is None or await self._gate.admits(peer_id):
+            return True
+        if self._rejects is not None:
+            self._rejects.add("unauthorized")
+        logger.debug(f"averager {self.prefix}: refusing unadmitted peer {peer_id}")
+        return False
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._admits(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._admits(context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_aggregate_part(stream, context):
+            yield response
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._admits(context.remote_id):
+            return  # an empty stream: hivemind's downloader moves on to the next peer
+        async for response in super().rpc_download_state(request, context):
+            yield response
+
+    async def _aggregate_with_group(self, group_info, *args, **kwargs):
+        for peer_id in group_info.peer_ids:
+            if peer_id != self.peer_id and not await self._admits(peer_id):
+                raise AllreduceException(f"group {group_info.group_id.hex()[:8]} has an unadmitted member {peer_id}")
+        return await super()._aggregate_with_group(group_info, *args, **kwargs)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -127,6 +176,8 @@ class _CountingAverager(DecentralizedAverager):
 
     def run(self) -> None:
         _install_wire_counting(self._wire)
+        if self._policy is not None:
+            install_robust_reducer(self._policy)
         super().run()
 
 
@@ -134,11 +185,14 @@ class SharedAverager:
     """The shared tensors of the model in one DecentralizedAverager, with optional outer Nesterov."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, params: list[torch.Tensor] | None = None,
-                 prefix: str | None = None, outer: str | None = None, rejects: RejectCounter | None = None):
-        """Averages `params` (default: the model's shared parameters) under DHT prefix `prefix`; refused
-        downloaded state is counted in `rejects` if given."""
+                 prefix: str | None = None, outer: str | None = None, rejects: RejectCounter | None = None,
+                 max_weight: float = float("inf"), gate=None):
+        """Averages `params` (default: the model's shared parameters) under DHT prefix `prefix`; refusals are
+        counted in `rejects` if given. `max_weight`: the most tokens one peer can have trained in one round
+        (every reducer caps claimed weights at it); `gate`: a closed run's door check (sync.admission.Gate)."""
         self.cfg = cfg
         self.rejects = rejects
+        self.max_weight = max_weight
         self.params = [p for _, p in model.shared_parameters()] if params is None else list(params)
         if cfg.compression == "8bit":
             patch_hivemind_8bit_decoder()  # before the averager process forks, so it inherits the fix
@@ -160,10 +214,15 @@ class SharedAverager:
             allreduce_timeout=cfg.round_timeout, next_chunk_timeout=min(10.0, cfg.round_timeout / 4),
             compression=self.compression, allow_state_sharing=params is None,
             state_compression=CountingCompression(NoCompression(), self.wire), wire=self.wire,
+            gate=gate, rejects=rejects,
+            policy=AggregationPolicy(cfg.aggregation, max_weight, cfg.clip_factor, rejects),
         )
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)
         self.snapshot: list[torch.Tensor] | None = None
+        # The last synchronized value of each tensor: a received result is judged by its change from the snapshot
+        # against this peer's own change since then (check_result), as issue 9 asks.
+        self.synced = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
         # DiLoCo's outer optimizer needs the params of the previous round (identical on every peer after a
         # successful round) and a momentum buffer.
         outer = cfg.outer if outer is None else outer
@@ -209,47 +268,93 @@ class SharedAverager:
             return 0
         return len(gathered) if gathered else 0
 
+    def check_result(self, averaged: list[torch.Tensor], tokens: float) -> list[bool]:
+        """Which tensors of an all-reduce result to accept (training thread, before apply).
+
+        A result's change from the snapshot must be finite and at most `sync.max_delta_ratio` times this peer's
+        own change since the last synchronized value (scaled up if it trained less than a full round's tokens),
+        with a floor of the run-wide relative change for tensors that barely moved here. Honest rounds change a
+        tensor by about |mean - own| <= 2 |own|; a hostile reducer or a peer outside the clip is refused."""
+        own = [float(torch.linalg.vector_norm(s - r)) for s, r in zip(self.snapshot, self.synced)]
+        ref = [float(torch.linalg.vector_norm(r)) for r in self.synced]
+        rel = math.sqrt(sum(o * o for o in own)) / max(math.sqrt(sum(r * r for r in ref)), 1e-12)
+        short = self.max_weight / max(tokens, 1.0) if math.isfinite(self.max_weight) else 1.0
+        scale = self.cfg.max_delta_ratio * max(1.0, short)
+        accepted = []
+        for avg, snap, own_t, ref_t in zip(averaged, self.snapshot, own, ref):
+            change = float(torch.linalg.vector_norm(avg - snap))
+            if not math.isfinite(change):
+                self._reject("nonfinite")
+                accepted.append(False)
+            elif change > scale * max(own_t, rel * ref_t, 1e-8):
+                self._reject("delta")
+                accepted.append(False)
+            else:
+                accepted.append(True)
+        return accepted
+
     @torch.no_grad()
-    def apply(self) -> None:
-        """Training thread, after a successful all_reduce: live params += (new value - snapshot)."""
+    def apply(self, tokens: float = float("inf")) -> int:
+        """Training thread, after a successful all_reduce: live params += (new value - snapshot) for every
+        tensor check_result accepts; the others keep their local values. Returns how many were refused."""
         with self.averager.get_tensors() as averaged:
+            accepted = self.check_result(list(averaged), tokens)
+            # A refused tensor is treated as if its average were this peer's own snapshot: no change.
+            result = [avg if ok else snap for avg, snap, ok in zip(averaged, self.snapshot, accepted)]
             if self.anchor is None:
-                targets = averaged
+                targets = result
             else:
                 lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-                for anchor, buf, avg in zip(self.anchor, self.momentum, averaged):
+                for anchor, buf, avg in zip(self.anchor, self.momentum, result):
                     pseudo_grad = anchor - avg
                     buf.mul_(mu).add_(pseudo_grad)
                     anchor.sub_(pseudo_grad.add(buf, alpha=mu), alpha=lr)
                 targets = self.anchor
-            for param, snap, target in zip(self.params, self.snapshot, targets):
+            for param, snap, target, synced in zip(self.params, self.snapshot, targets, self.synced):
                 # copy_ (not add_) keeps integer-free storage dtypes like bf16 exact when nothing changed.
                 param.copy_((param.float() + (target - snap).to(param.device)).to(param.dtype))
+                synced.copy_(target)
+        refused = accepted.count(False)
+        if refused:
+            logger.warning(f"refused {refused} of {len(accepted)} averaged tensors: out of proportion to this "
+                           f"peer's own change (kept local values)")
+        return refused
 
-    def load_from_peers(self, timeout: float) -> bool:
-        """Late joiner / fell behind: copy the shared tensors from a live peer; False if none answered."""
-        try:
-            loaded = self.averager.load_state_from_peers(timeout=timeout)
-        except Exception as e:
-            logger.warning(f"could not download shared state: {e}")
-            return False
-        if loaded is None:
-            return False
-        _, tensors = loaded
-        if len(tensors) != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors, self.params)):
-            logger.warning("a peer sent shared state of the wrong shapes: ignored")
-            self._reject("shape")
-            return False
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
-            logger.warning("a peer sent non-finite shared state: ignored")
-            self._reject("nonfinite")
-            return False
-        with torch.no_grad():
-            for tensor, param in zip(tensors, self.params):
-                param.copy_(tensor)
+    def reset_reference(self) -> None:
+        """The current parameters become the last synchronized value (after a state download or a rollback)."""
+        for synced, param in zip(self.synced, self.params):
+            synced.copy_(param.detach().float().cpu())
         if self.anchor is not None:
             for anchor, param in zip(self.anchor, self.params):
                 anchor.copy_(param.detach())
+
+    def load_state(self, candidates: list[list[torch.Tensor]]) -> bool:
+        """Late joiner / fell behind: take the shared tensors from copies downloaded from several peers.
+
+        Each copy must have the right shapes, be finite, and have per-tensor norms within sync.max_norm_ratio of
+        the local ones (a x1000 state is refused); of three or more valid copies the coordinate-wise median is
+        taken, so one hostile source cannot choose the state. Returns False (local values kept) if none is valid.
+        """
+        bound = [self.cfg.max_norm_ratio * max(float(torch.linalg.vector_norm(p.detach().float())),
+                                               1e-3 * math.sqrt(p.numel())) for p in self.params]
+        valid = []
+        for tensors in candidates:
+            if len(tensors) != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors, self.params)):
+                self._reject("shape")
+            elif not all(bool(torch.isfinite(t).all()) for t in tensors):
+                self._reject("nonfinite")
+            elif any(float(torch.linalg.vector_norm(t.float())) > b for t, b in zip(tensors, bound)):
+                self._reject("norm")
+            else:
+                valid.append([t.float() for t in tensors])
+        if not valid:
+            return False
+        with torch.no_grad():
+            for i, param in enumerate(self.params):
+                stacked = torch.stack([copy[i] for copy in valid])
+                value = coordinate_median(stacked) if len(valid) >= 3 else stacked[0]
+                param.copy_(value.to(param.device, param.dtype))
+        self.reset_reference()
         return True
 
     def _reject(self, reason: str) -> None:

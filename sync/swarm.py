@@ -3,23 +3,31 @@
 Each peer stores one record under the run's key `{run_id}_peers`, subkey = its peer ID, value = the experts it
 owns plus its progress, with an expiration; a heartbeat thread refreshes it. These records are the only
 swarm-wide state: coverage (who owns what), live peers, and the round counter are all read from them.
-Values in the DHT are msgpack (hivemind's serializer), never pickle; records from other peers are validated
-before use because any peer can write any subkey.
+Values in the DHT are msgpack (hivemind's serializer), never pickle. Every DHT node started here runs
+`sync.records.RunRecordValidator`: a peer's record is signed by that peer's libp2p identity key, schema-checked
+and time-bounded, so nobody can write, replace or tombstone another peer's record (docs/DESIGN.md, "Hostile
+peers"). Readers still parse defensively and derive the swarm's round from the median of live records, never
+the max, so one liar cannot move it.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
+import os
+import shutil
 import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import hivemind
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
+
+from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, ephemeral_identity, load_identity, peers_key, revoked_key
+from sync.records import RunRecordValidator
 
 logger = get_logger(__name__)
 
@@ -37,9 +45,13 @@ class PeerRecord:
     round: int = 0
     step: int = 0
     tokens: int = 0
+    ticket: bytes = b""  # closed runs: the organizer's ticket for this peer ID (sync.admission)
 
     def to_value(self) -> dict[str, Any]:
-        return {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
+        value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
+        if self.ticket:
+            value["ticket"] = self.ticket
+        return value
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any, num_experts: int) -> "PeerRecord | None":
@@ -51,9 +63,21 @@ class PeerRecord:
             return None
         if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < num_experts for e in experts):
             return None
-        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**62 for c in counters):
+        bounds = (MAX_ROUND, MAX_STEP, MAX_TOKENS)
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= b for c, b in zip(counters, bounds)):
             return None
-        return cls(peer_id, sorted(set(experts)), *counters)
+        ticket = value.get("ticket", b"")
+        return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"")
+
+
+def median_round(records: Iterable[PeerRecord]) -> int | None:
+    """The swarm's round as a liar cannot move it: the lower median of the records' rounds (None if none).
+
+    One peer claiming a huge (or tiny) round shifts the median by at most one position among honest values,
+    and with two records the lower median is the smaller one, so a lone liar can never make the honest peer
+    jump ahead. The max, used before, let one record of round 2**62 move every peer (issue 9)."""
+    rounds = sorted(r.round for r in records)
+    return rounds[(len(rounds) - 1) // 2] if rounds else None
 
 
 def _is_peer_id(text: str) -> bool:
@@ -100,29 +124,59 @@ def busy_tcp_port(host_maddrs: Sequence[str | Multiaddr]) -> tuple[int, str] | N
 
 
 def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
-              announce_maddrs: Sequence[str] = (), identity_path: str | None = None) -> hivemind.DHT:
-    """Start a DHT node (joining `initial_peers` if given); SwarmError with the daemon's reason on failure."""
-    return start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path)
+              announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *, run_id: str | None = None,
+              num_experts: int = 0, record_ttl: float = 30.0, admission: Any = None,
+              rejects: Any = None) -> hivemind.DHT:
+    """Start a peer's DHT node (joining `initial_peers` if given) that signs its own record and validates the
+    run's records (sync.records); SwarmError with the daemon's reason on failure."""
+    return start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=run_id,
+                          num_experts=num_experts, record_ttl=record_ttl, admission=admission, rejects=rejects,
+                          sign=True)
 
 
 def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
-                   announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
+                   announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *,
+                   run_id: str | None = None, num_experts: int = 0, record_ttl: float = 30.0,
+                   admission: Any = None, rejects: Any = None, sign: bool = False,
                    **p2p_options: Any) -> hivemind.DHT:
     """start_dht with extra hivemind.DHT / P2P.create options (use_relay, use_auto_relay, ...), for callers such
-    as the bootstrap node that expose them; same errors."""
+    as the bootstrap node that expose them; same errors.
+
+    With `run_id`, the node validates the run's records (every node must, or it would store forgeries for
+    others to read); with `sign`, it also signs its own record with its identity key — a peer without
+    `identity_path` gets a fresh identity file, removed once the daemon has read it. `num_experts` 0 accepts
+    any expert index up to 2**16 (a bootstrap node may not know the model).
+    """
     kwargs: dict[str, Any] = {"initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs), "start": True,
                               **p2p_options}
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
+    temp_dir = None
+    if sign and not identity_path:
+        identity_path, temp_dir = ephemeral_identity()
+        kwargs["check_if_identity_free"] = False  # brand new: asking the swarm whether it is taken costs ~5 s
     if identity_path:
         kwargs["identity_path"] = identity_path
     try:
+        if run_id is not None:
+            private_key = None
+            if sign:
+                if not os.path.isfile(identity_path):
+                    P2P.generate_identity(identity_path)  # what hivemind would do; we need the key to sign
+                private_key = load_identity(identity_path)
+            kwargs["record_validators"] = [RunRecordValidator(
+                run_id, num_experts or 2**16, private_key=private_key, record_ttl=record_ttl,
+                admission=admission, rejects=rejects)]
         return hivemind.DHT(**kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
         reason = " ".join(str(e).split()) or type(e).__name__
         if "bootstrap" in reason and initial_peers:
             reason = f"cannot reach any initial peer ({', '.join(initial_peers)}): {reason}"
         raise SwarmError(reason) from None
+    finally:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
 
 
 def least_covered(coverage: dict[int, int], count: int, peer_id: str = "") -> list[int]:
@@ -144,12 +198,14 @@ class Swarm:
     run_id: str
     num_experts: int
     ttl: float = 30.0
+    ticket: bytes = b""   # closed runs: this peer's organizer ticket, carried in its record
+    admission: Any = None  # closed runs: sync.admission.Admission (revoked peers are not read)
     record: PeerRecord = field(init=False)
 
     def __post_init__(self) -> None:
         self.peer_id = str(self.dht.peer_id)
-        self.key = f"{self.run_id}_peers"
-        self.record = PeerRecord(self.peer_id, [])
+        self.key = peers_key(self.run_id)
+        self.record = PeerRecord(self.peer_id, [], ticket=self.ticket)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -173,7 +229,8 @@ class Swarm:
         # list, which readers skip) must expire later than the record it replaces.
         with self._lock:
             self.record.experts = []
-        self.dht.store(self.key, subkey=self.peer_id, value={"experts": [], "round": 0, "step": 0, "tokens": 0},
+            value = self.record.to_value()
+        self.dht.store(self.key, subkey=self.peer_id, value=value,
                        expiration_time=get_dht_time() + self.ttl + 1.0)
 
     def peers(self) -> dict[str, PeerRecord]:
@@ -183,15 +240,23 @@ class Swarm:
         if found is None or not isinstance(found.value, dict):
             return records
         now = get_dht_time()
+        revoked = self.revoked() if self.admission is not None else set()
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             expiration = getattr(item, "expiration_time", 0)
-            if not isinstance(subkey, str) or expiration < now or not _is_peer_id(subkey):
+            if not isinstance(subkey, str) or expiration < now or subkey in revoked or not _is_peer_id(subkey):
                 continue
             record = PeerRecord.from_value(subkey, value, self.num_experts)
             if record is not None and record.experts:
                 records[subkey] = record
         return records
+
+    def revoked(self) -> set[str]:
+        """Peer IDs the organizer revoked (closed runs; every DHT node checked the organizer's signature)."""
+        found = self.dht.get(revoked_key(self.run_id), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return set()
+        return {subkey for subkey in found.value if isinstance(subkey, str)}
 
     def coverage(self, records: dict[str, PeerRecord] | None = None) -> dict[int, list[str]]:
         """expert -> peer IDs that own it (live records only)."""

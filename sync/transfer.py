@@ -183,6 +183,13 @@ class _ExpertServicer(ServicerBase):
     async def rpc_get_expert(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        gate = self.exchange.gate
+        if gate is not None and not await gate.admits(context.remote_id):
+            # Closed run: a peer without a valid ticket gets nothing, not even whether the expert exists.
+            self.exchange.rejects.add("unauthorized")
+            logger.debug(f"Refusing expert request from unadmitted peer {context.remote_id}")
+            yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
+            return
         async for message in self.exchange._serve(request.uid):
             yield message
 
@@ -194,11 +201,13 @@ class ExpertExchange:
     compression: none | fp16 | 8bit (hivemind NONE / FLOAT16 / UNIFORM_8BIT) for everything this peer serves.
     keep_rounds: how many newest rounds per expert stay available to fetchers.
     rejects: where malformed responses are counted (reason "malformed"); a fresh counter if omitted.
+    gate: in a closed run, the admission check (`async admits(peer_id) -> bool`, sync.admission.Gate) every
+        request's libp2p-authenticated sender must pass; None (open run) serves everyone.
     """
 
     def __init__(self, dht: DHT, namespace: str, compression: str = "none", keep_rounds: int = 2,
                  rejects: RejectCounter | None = None, start_timeout: float = 30.0,
-                 max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES) -> None:
+                 max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES, gate=None) -> None:
         if compression not in COMPRESSION_TYPES:
             raise ValueError(f"compression must be one of {sorted(COMPRESSION_TYPES)}, got {compression!r}")
         if keep_rounds < 1:
@@ -206,10 +215,11 @@ class ExpertExchange:
         self.namespace, self.compression, self.keep_rounds = namespace, compression, keep_rounds
         self.rejects = rejects if rejects is not None else RejectCounter()
         self.max_fetch_bytes = max_fetch_bytes
+        self.gate = gate
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
         self._store: dict[int, dict[int, _Entry]] = {}
-        self._bytes = {"sent": {"expert": 0}, "received": {"expert": 0}}
+        self._bytes = {"sent": {"expert": 0}, "received": {"expert": 0, "shared": 0}}
         self._servicer = _ExpertServicer(self)
         self._p2p: P2P | None = None
         self._closed = False
@@ -401,11 +411,67 @@ class ExpertExchange:
         tensors = await loop.run_in_executor(self._executor, lambda: [_deserialize_parts(g) for g in groups])
         return dict(zip(meta["names"], tensors))
 
+    # ---- shared state downloads ----------------------------------------------------------------------------
+
+    def download_state(self, peer: PeerID, prefix: str, timeout: float) -> list[torch.Tensor] | None:
+        """The shared tensors a peer's averager (DHT prefix `prefix`) serves to joiners, or None.
+
+        hivemind's own `load_state_from_peers` picks the source by a self-declared priority in the DHT, so a
+        liar with a high priority is asked first; here the caller chooses the source from verified records and
+        this only fetches, through the same bounded, pickle-free decoding as experts (validation is the
+        caller's: sync.shared.SharedAverager.load_state)."""
+        if self._closed or threading.current_thread() is self._thread:
+            return None
+        future = asyncio.run_coroutine_threadsafe(self._download_state(peer, prefix, timeout), self._loop)
+        try:
+            return future.result(timeout=timeout + 5.0)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            return None
+
+    async def _download_state(self, peer: PeerID, prefix: str, timeout: float) -> list[torch.Tensor] | None:
+        from hivemind.averaging import DecentralizedAverager
+        from hivemind.proto import averaging_pb2
+
+        async def download() -> list[torch.Tensor]:
+            stub = DecentralizedAverager.get_stub(self._p2p, peer, namespace=prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            groups: list[list[runtime_pb2.Tensor]] = []
+            received = 0
+            try:
+                async for message in stream:
+                    part = message.tensor_part
+                    received += len(part.buffer)
+                    self._count("received", len(part.buffer), kind="shared")
+                    if received > self.max_fetch_bytes:
+                        raise MalformedResponse(f"state exceeds {self.max_fetch_bytes} bytes")
+                    if part.dtype:
+                        groups.append([part])
+                    elif groups:
+                        groups[-1].append(part)
+                    else:
+                        raise MalformedResponse("continuation part before any tensor header")
+            finally:
+                with suppress(Exception):
+                    await stream.aclose()
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, lambda: [_deserialize_parts(g) for g in groups])
+
+        try:
+            tensors = await asyncio.wait_for(download(), timeout)
+            return tensors or None
+        except MalformedResponse as e:
+            self.rejects.add("malformed")
+            logger.warning(f"Refused malformed shared state from {peer}: {e}")
+        except Exception as e:  # unreachable, refused, timed out
+            logger.debug(f"Could not download shared state from {peer}: {type(e).__name__}: {e}")
+        return None
+
     # ---- accounting and lifetime ---------------------------------------------------------------------------
 
-    def _count(self, direction: str, nbytes: int) -> None:
+    def _count(self, direction: str, nbytes: int, kind: str = "expert") -> None:
         with self._lock:
-            self._bytes[direction]["expert"] += nbytes
+            self._bytes[direction][kind] += nbytes
 
     @property
     def bytes_sent(self) -> dict[str, int]:

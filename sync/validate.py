@@ -7,39 +7,47 @@ worse than a stale one. Refusals are counted by reason for the `spes_rejected_te
 from __future__ import annotations
 
 import math
-import threading
+import multiprocessing as mp
 
 import torch
 
 # "malformed" is a response that could not even be decoded into named tensors (counted by sync.transfer);
-# the others are produced by validate_tensors.
-REJECT_REASONS = ("missing", "shape", "dtype", "nonfinite", "norm", "malformed")
+# "missing" .. "norm" are produced by validate_tensors; the rest by the defences against hostile peers
+# (docs/DESIGN.md, "Hostile peers"):
+#   delta        a received value whose change from the last synchronized one is out of proportion to an honest
+#                round's change (shared all-reduce result, expert copy, downloaded state);
+#   weight       an all-reduce part whose claimed weight was not finite or above the per-round token cap;
+#   unauthorized a request or group member without a valid ticket in a closed run;
+#   record       a DHT record refused by the record validator (unsigned, forged, malformed, far-future).
+REJECT_REASONS = ("missing", "shape", "dtype", "nonfinite", "norm", "malformed", "delta", "weight", "unauthorized",
+                  "record")
 
 
 class RejectCounter:
-    """Thread-safe counts of refused receptions per reason (fetches run on a background thread)."""
+    """Counts of refused receptions per reason, in shared memory: refusals happen in the peer's threads and
+    in its forked hivemind processes (the DHT validates records, the averager reduces parts), and are all
+    read here. Create it before those processes start so they inherit it."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
+        self._counts = mp.Array("q", len(REJECT_REASONS), lock=True)
 
     def add(self, reason: str, n: int = 1) -> None:
         """Count `n` refusals for `reason` (one of REJECT_REASONS)."""
-        if reason not in self._counts:
+        if reason not in REJECT_REASONS:
             # A typo here would silently create a metric label nobody watches.
             raise ValueError(f"unknown reject reason {reason!r}; expected one of {REJECT_REASONS}")
-        with self._lock:
-            self._counts[reason] += n
+        with self._counts.get_lock():
+            self._counts[REJECT_REASONS.index(reason)] += n
 
     def counts(self) -> dict[str, int]:
         """A snapshot {reason: count} including zero counts."""
-        with self._lock:
-            return dict(self._counts)
+        with self._counts.get_lock():
+            return dict(zip(REJECT_REASONS, self._counts[:]))
 
     def total(self) -> int:
         """All refusals so far."""
-        with self._lock:
-            return sum(self._counts.values())
+        with self._counts.get_lock():
+            return sum(self._counts[:])
 
 
 def _norm_fp32(tensor: torch.Tensor) -> float:

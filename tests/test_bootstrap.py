@@ -122,7 +122,8 @@ def _metrics(port: int) -> str:
 
 
 def _swarm(initial: list[str], experts: list[int], tokens: int, ttl: float = 30.0) -> Swarm:
-    swarm = Swarm(start_dht(initial, LOOPBACK), RUN, EXPERTS, ttl=ttl)
+    swarm = Swarm(start_dht(initial, LOOPBACK, run_id=RUN, num_experts=EXPERTS, record_ttl=ttl), RUN, EXPERTS,
+                  ttl=ttl)
     try:
         swarm.publish(experts=experts, tokens=tokens)
     except BaseException:

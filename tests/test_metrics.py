@@ -43,6 +43,11 @@ PEER_METRICS = {
     "spes_rejected_tensors_total": ("counter", {"reason"}),
     "spes_parameters": ("gauge", {"kind"}),
 }
+# Beyond SPEC §4 (issue 9, "Visibility"): rounds in a row averaged with nobody, rollbacks after a bad round.
+EXTRA_PEER_METRICS = {
+    "spes_sync_alone_rounds": ("gauge", set()),
+    "spes_sync_rollbacks_total": ("counter", set()),
+}
 # SPEC §4, served by the bootstrap node.
 SWARM_METRICS = {"spes_swarm_peers", "spes_swarm_expert_replicas", "spes_swarm_tokens_total"}
 SPEC_PATH = REPO.parent / "shared" / "SPEC.md"
@@ -137,8 +142,8 @@ def test_values_agree_with_metrics_jsonl(finished_peer):
 
 def test_exposed_names_types_and_labels_are_exactly_spec(finished_peer):
     exposed = _exposed(finished_peer.page)
-    assert set(exposed) == set(PEER_METRICS)
-    for name, (kind, labels) in PEER_METRICS.items():
+    assert set(exposed) == set(PEER_METRICS) | set(EXTRA_PEER_METRICS)
+    for name, (kind, labels) in {**PEER_METRICS, **EXTRA_PEER_METRICS}.items():
         exposed_kind, exposed_labels, samples = exposed[name]
         assert (exposed_kind, exposed_labels) == (kind, labels), name
         if kind == "counter":

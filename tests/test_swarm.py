@@ -44,7 +44,9 @@ def swarm_factory():
 
     def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True) -> Peer:
         cfg = cfg or _sync_cfg()
-        dht = start_dht(first_maddrs, LOOPBACK)
+        # Signed, validated records as in peer.run (sync.records).
+        dht = start_dht(first_maddrs, LOOPBACK, run_id="test-run", num_experts=MODEL.num_experts,
+                        record_ttl=cfg.record_ttl)
         if not first_maddrs:
             first_maddrs.extend(str(m) for m in dht.get_visible_maddrs())
         swarm = Swarm(dht, "test-run", MODEL.num_experts, ttl=cfg.record_ttl)

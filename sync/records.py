@@ -1,0 +1,218 @@
+"""Signed, schema-checked, time-bounded DHT records of a run (docs/DESIGN.md, "Hostile peers: DHT records").
+
+Every DHT node of a run (peers and the bootstrap node) runs `RunRecordValidator`, so a record that fails it is
+neither stored by an honest node nor accepted from any node's answer. For the run's keys:
+
+- `{run_id}_peers`, subkey = a base58 peer ID: the value must be signed by the libp2p identity key of exactly
+  that peer ID (the public key travels in the value; the peer ID is the multihash of it, as libp2p derives it),
+  so only the holder of a peer's key can write, replace or tombstone that peer's record. The payload must match
+  the schema of `sync.swarm.PeerRecord` exactly (bounded ints, expert indices in range), and in a closed run it
+  must carry a valid organizer ticket for that peer ID.
+- `{run_id}_revoked`, subkey = a base58 peer ID: only organizer-signed revocations of that peer (closed runs).
+- On both, an expiration later than now + the key's lifetime bound is refused: no far-future tombstone or claim
+  can be planted, and whatever a peer wrote dies within `record_ttl` once it stops refreshing it.
+
+Other keys (hivemind's averager matchmaking and state-sharing keys) pass through untouched.
+
+Wire format of a signed value: MSGPack `[b"spes-record-v1", payload, public_key_der, signature]`, where the
+signature (RSA PKCS#1 v1.5, SHA-256, as libp2p's RSA keys sign) covers MSGPack `[tag, dht key id, subkey bytes,
+payload, expiration]`. Nothing here is unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Any
+
+import multihash
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.logging import get_logger
+from hivemind.utils.serializer import MSGPackSerializer
+
+from sync.validate import RejectCounter
+
+logger = get_logger(__name__)
+
+RECORD_TAG = b"spes-record-v1"
+# Schema bounds. Rounds stay far below 2**31 in any real run (a round every few seconds for a century is
+# ~1e9) and far below anything that overflows a counter; steps and tokens have room for decades of training.
+MAX_ROUND, MAX_STEP, MAX_TOKENS = 2**31 - 1, 2**40, 2**62
+MAX_TICKET_BYTES, MAX_VALUE_BYTES = 2048, 16384
+# Revocations must outlive the tickets they revoke; they are organizer-signed, so a long bound plants nothing.
+REVOCATION_LIFETIME = 366 * 86400.0
+_RECORD_FIELDS = {"experts", "round", "step", "tokens"}
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}_peers"
+
+
+def revoked_key(run_id: str) -> str:
+    return f"{run_id}_revoked"
+
+
+def _key_id(key: str) -> bytes:
+    return DHTID.generate(source=key).to_bytes()
+
+
+def peer_id_of_public_key(public_key_der: bytes) -> PeerID:
+    """The libp2p peer ID of an RSA public key (DER SubjectPublicKeyInfo): sha2-256 multihash of its protobuf."""
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_key_der).SerializeToString()
+    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256")))
+
+
+def load_identity(identity_path: str) -> rsa.RSAPrivateKey:
+    """The RSA private key of a libp2p identity file written by hivemind (protobuf PrivateKey, DER data)."""
+    with open(identity_path, "rb") as f:
+        proto = crypto_pb2.PrivateKey.FromString(f.read())
+    if proto.key_type != crypto_pb2.RSA:
+        raise ValueError(f"identity {identity_path} is not an RSA key (hivemind identities are)")
+    key = serialization.load_der_private_key(proto.data, password=None)
+    if not isinstance(key, rsa.RSAPrivateKey):
+        raise ValueError(f"identity {identity_path} holds no RSA private key")
+    return key
+
+
+def ephemeral_identity() -> tuple[str, str]:
+    """A fresh identity file in a private temp dir (for a peer without --identity-path): (path, its dir).
+    The peer must know its private key to sign its records, so p2pd may not generate one on its own."""
+    directory = tempfile.mkdtemp(prefix="spes-identity-")
+    path = os.path.join(directory, "identity.key")
+    P2P.generate_identity(path)
+    return path, directory
+
+
+def check_record_payload(value: Any, num_experts: int) -> bool:
+    """The exact schema of a peer record's payload (see sync.swarm.PeerRecord.to_value)."""
+    if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | {"ticket"}:
+        return False
+    experts = value["experts"]
+    if not isinstance(experts, list) or len(experts) > num_experts:
+        return False
+    if not all(type(e) is int and 0 <= e < num_experts for e in experts) or len(set(experts)) != len(experts):
+        return False
+    for name, bound in (("round", MAX_ROUND), ("step", MAX_STEP), ("tokens", MAX_TOKENS)):
+        if type(value[name]) is not int or not 0 <= value[name] <= bound:
+            return False
+    ticket = value.get("ticket", b"")
+    return isinstance(ticket, bytes) and len(ticket) <= MAX_TICKET_BYTES
+
+
+class RunRecordValidator(RecordValidatorBase):
+    """Signs this node's own peer record and validates every record of the run's keys (module docstring).
+
+    private_key: this node's libp2p identity key (None for a node that publishes no record: the bootstrap);
+    record_ttl + slack: the furthest future expiration accepted for a peer record;
+    admission: a closed run's policy (sync.admission.Admission) or None for an open run;
+    rejects: where refused records are counted (reason "record"); shared memory, works from the DHT process.
+    """
+
+    def __init__(self, run_id: str, num_experts: int, private_key: rsa.RSAPrivateKey | None = None,
+                 record_ttl: float = 30.0, slack: float = 10.0, admission=None,
+                 rejects: RejectCounter | None = None):
+        self.run_id, self.num_experts = run_id, num_experts
+        self.max_lifetime = record_ttl + slack
+        self.admission, self.rejects = admission, rejects
+        self._peers_key, self._revoked_key = _key_id(peers_key(run_id)), _key_id(revoked_key(run_id))
+        self._private_key = private_key
+        self._own_subkey = self._public_der = None
+        if private_key is not None:
+            self._public_der = private_key.public_key().public_bytes(
+                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+            self._own_subkey = MSGPackSerializer.dumps(peer_id_of_public_key(self._public_der).to_base58())
+        # Peers whose revocation this node has validated: their records are refused from then on.
+        self._revoked: set[str] = set()
+
+    @property
+    def priority(self) -> int:
+        return 20  # validate before any validator that would deserialize the value
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+    # ---- signing ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _signed_message(record: DHTRecord, payload: bytes) -> bytes:
+        return MSGPackSerializer.dumps([RECORD_TAG, record.key, record.subkey, payload, record.expiration_time])
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if record.key != self._peers_key or self._private_key is None or record.subkey != self._own_subkey:
+            return record.value  # not ours to sign: it will only pass if no signature is needed
+        signature = self._private_key.sign(self._signed_message(record, record.value), padding.PKCS1v15(),
+                                           hashes.SHA256())
+        return MSGPackSerializer.dumps([RECORD_TAG, record.value, self._public_der, signature])
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if record.key != self._peers_key:
+            return record.value
+        try:
+            return MSGPackSerializer.loads(record.value)[1]
+        except Exception:  # only called after validate() passed, so this is unreachable for our key
+            return record.value
+
+    # ---- validation ------------------------------------------------------------------------------------
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key == self._peers_key:
+            ok = self._validate_peer_record(record)
+        elif record.key == self._revoked_key:
+            ok = self._validate_revocation(record)
+        else:
+            return True
+        if not ok and self.rejects is not None:
+            self.rejects.add("record")
+        return ok
+
+    def _subkey_peer(self, record: DHTRecord) -> str | None:
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            return subkey if isinstance(subkey, str) and len(subkey) < 100 and PeerID.from_base58(subkey) else None
+        except Exception:
+            return None
+
+    def _validate_peer_record(self, record: DHTRecord) -> bool:
+        if record.expiration_time > get_dht_time() + self.max_lifetime or len(record.value) > MAX_VALUE_BYTES:
+            return False
+        peer_id = self._subkey_peer(record)
+        if peer_id is None or peer_id in self._revoked:
+            return False
+        try:
+            tag, payload, public_der, signature = MSGPackSerializer.loads(record.value)
+            if tag != RECORD_TAG or not all(isinstance(x, bytes) for x in (payload, public_der, signature)):
+                return False
+            if peer_id_of_public_key(public_der).to_base58() != peer_id:
+                return False  # signed by someone else's key: the forged-subkey attack
+            public_key = serialization.load_der_public_key(public_der)
+            if not isinstance(public_key, rsa.RSAPublicKey) or public_key.key_size > 8192:
+                return False
+            public_key.verify(signature, self._signed_message(record, payload), padding.PKCS1v15(), hashes.SHA256())
+            value = MSGPackSerializer.loads(payload)
+        except (InvalidSignature, ValueError, TypeError, Exception):  # any malformed input is just invalid
+            return False
+        if not check_record_payload(value, self.num_experts):
+            return False
+        if self.admission is not None and not self.admission.ticket_valid(peer_id, value.get("ticket")):
+            return False
+        return True
+
+    def _validate_revocation(self, record: DHTRecord) -> bool:
+        if self.admission is None or record.expiration_time > get_dht_time() + REVOCATION_LIFETIME:
+            return False  # an open run has no revocations
+        peer_id = self._subkey_peer(record)
+        try:
+            revocation = MSGPackSerializer.loads(record.value)
+        except Exception:
+            return False
+        if peer_id is None or not self.admission.revocation_valid(peer_id, revocation):
+            return False
+        self._revoked.add(peer_id)
+        return True

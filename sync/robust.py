@@ -1,0 +1,156 @@
+"""Robust aggregation: no single peer may move an average beyond a bound (docs/DESIGN.md, "Hostile peers").
+
+Shape suffixes: N = contributions (peers or copies), P = flattened elements of one part.
+
+`centered_clip` is CenteredClip from BTARD (Gorbunov et al., "Secure Distributed Training at Scale", ICML 2022):
+v <- v + sum_i w_i * min(1, tau / ||x_i - v||) * (x_i - v) / sum_i w_i, started at the coordinate-wise median,
+with tau = clip_factor * median_i ||x_i - median||, so tau follows the honest spread and needs no tuning to the
+scale of the tensors. A contribution then moves the result by at most w_i / sum(w) * tau. When every
+contribution lies within tau of the plain weighted mean, that mean is a fixed point and is returned exactly:
+with nobody attacking, robust aggregation *is* plain averaging.
+
+`RobustTensorPartReducer` puts it inside hivemind's butterfly all-reduce: every reducer collects all senders'
+copies of its part (hivemind only keeps a running sum), drops non-finite ones, caps each claimed weight at the
+tokens a peer can train in one round, and returns the clipped mean. It is installed by `install_robust_reducer`
+inside an averager's own (forked) process only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from hivemind.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def coordinate_median(x_NP: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median (the mean of the two middle values for an even count)."""
+    n = x_NP.shape[0]
+    sorted_NP = torch.sort(x_NP, dim=0).values
+    return 0.5 * (sorted_NP[(n - 1) // 2] + sorted_NP[n // 2])
+
+
+def centered_clip(x_NP: torch.Tensor, w_N: torch.Tensor, clip_factor: float = 2.5, iters: int = 50) -> torch.Tensor:
+    """Robust weighted mean of finite rows `x_NP` with non-negative weights `w_N` (module docstring).
+
+    With fewer than 3 rows there is no majority to stand on: the plain weighted mean is returned (the receivers'
+    own bound on the change then decides, see sync.shared.SharedAverager.apply)."""
+    x_NP, w_N = x_NP.float(), w_N.float()
+    total = float(w_N.sum())
+    if total <= 0:
+        w_N, total = torch.ones_like(w_N), float(x_NP.shape[0])
+    mean_P = (w_N[:, None] * x_NP).sum(0) / total
+    if x_NP.shape[0] < 3:
+        return mean_P
+    median_P = coordinate_median(x_NP)
+    dist_N = torch.linalg.vector_norm(x_NP - median_P, dim=1)
+    tau = clip_factor * float(coordinate_median(dist_N[:, None])[0])
+    if not tau > 0:  # at least half the rows coincide: the median is the robust answer
+        return mean_P if float(torch.linalg.vector_norm(x_NP - mean_P, dim=1).max()) == 0 else median_P
+    if float(torch.linalg.vector_norm(x_NP - mean_P, dim=1).max()) <= tau:
+        return mean_P  # nobody is an outlier: exactly the plain mean
+    v_P = median_P
+    for _ in range(iters):
+        diff_NP = x_NP - v_P
+        scale_N = torch.clamp(tau / torch.linalg.vector_norm(diff_NP, dim=1).clamp_min(1e-30), max=1.0)
+        step_P = (w_N[:, None] * scale_N[:, None] * diff_NP).sum(0) / total
+        v_P = v_P + step_P
+        if float(torch.linalg.vector_norm(step_P)) <= 1e-6 * tau:
+            break
+    return v_P
+
+
+def robust_mean(copies: Sequence[dict[str, torch.Tensor]], clip_factor: float = 2.5) -> dict[str, torch.Tensor]:
+    """Aggregate several copies of one expert (name -> tensor): centered clip over the whole expert, so a copy
+    is judged as one vector (a forged expert is an outlier as a whole, not per coordinate)."""
+    names = list(copies[0])
+    flat_NP = torch.stack([torch.cat([c[n].float().reshape(-1) for n in names]) for c in copies])
+    out_P = centered_clip(flat_NP, torch.ones(len(copies)), clip_factor)
+    out, offset = {}, 0
+    for name in names:
+        shape = copies[0][name].shape
+        numel = math.prod(shape)
+        out[name] = out_P[offset:offset + numel].reshape(shape)
+        offset += numel
+    return out
+
+
+class AggregationPolicy:
+    """What a reducer enforces: the weight cap (tokens one round can hold), the rule, and where refusals go."""
+
+    def __init__(self, rule: str = "centered_clip", max_weight: float = math.inf, clip_factor: float = 2.5,
+                 rejects=None):
+        self.rule, self.max_weight, self.clip_factor, self.rejects = rule, max_weight, clip_factor, rejects
+
+    def _reject(self, reason: str) -> None:
+        if self.rejects is not None:
+            self.rejects.add(reason)
+
+    def aggregate(self, parts: list[torch.Tensor], weights: list[float], shape: torch.Size) -> torch.Tensor:
+        """The reduced part from every sender's copy of it."""
+        rows, kept_w = [], []
+        for part, weight in zip(parts, weights):
+            if not bool(torch.isfinite(part).all()):
+                self._reject("nonfinite")
+                continue
+            if not math.isfinite(weight) or weight < 0 or weight > self.max_weight * 1.01:
+                self._reject("weight")  # still counted, at the most an honest peer could have trained
+                weight = self.max_weight if math.isfinite(self.max_weight) and weight > 0 else 0.0
+            rows.append(part.reshape(-1).float())
+            kept_w.append(float(weight))
+        if not rows:
+            return torch.zeros(shape)
+        x_NP, w_N = torch.stack(rows), torch.tensor(kept_w)
+        if self.rule == "mean":
+            total = float(w_N.sum())
+            out_P = (w_N[:, None] * x_NP).sum(0) / total if total > 0 else x_NP.mean(0)
+        else:
+            out_P = centered_clip(x_NP, w_N, self.clip_factor)
+        return out_P.reshape(shape)
+
+
+def install_robust_reducer(policy: AggregationPolicy) -> None:
+    """Make hivemind's all-reduce in *this process* reduce with `policy` (call inside the averager process)."""
+    from hivemind.averaging import allreduce
+    from hivemind.averaging.partition import BannedException, TensorPartReducer, AllreduceException
+
+    class RobustTensorPartReducer(TensorPartReducer):
+        """hivemind's reducer, keeping every sender's copy of the current part instead of a running sum."""
+
+        def reset_accumulators(self) -> None:
+            self._parts: list[torch.Tensor] = []
+            self._weights: list[float] = []
+            super().reset_accumulators()
+
+        async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                                  weight: float = 1.0) -> torch.Tensor:
+            assert 0 <= sender_index < self.num_senders, "invalid sender index"
+            assert 0 <= part_index < self.num_parts, "invalid part index"
+            self.num_parts_received[sender_index] += 1
+            while part_index > self.current_part_index:  # as hivemind: wait for the previous parts
+                import asyncio
+                await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if self.finished.is_set():
+                    raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+            if self.sender_failed_after[sender_index] != float("inf"):
+                raise BannedException(f"sender {sender_index} was banned in background")
+            assert part_index == self.current_part_index
+            current_part_future = self.current_part_future
+            if part_index < self.sender_failed_after[sender_index]:
+                self._parts.append(tensor_part)
+                self._weights.append(float(weight))
+                self.current_part_accumulated_from += 1
+                self.check_current_part_finished()
+            return await current_part_future
+
+        def check_current_part_finished(self) -> None:
+            assert self.current_part_accumulated_from <= self.num_current_senders
+            if self.current_part_accumulated_from == self.num_current_senders:
+                shape = self.part_shapes[self.current_part_index]
+                self.current_part_future.set_result(policy.aggregate(self._parts, self._weights, shape))
+                self.reset_accumulators()
+
+    allreduce.TensorPartReducer = RobustTensorPartReducer

@@ -1,0 +1,159 @@
+"""Defences against hostile peers, piece by piece (docs/DESIGN.md, "Hostile peers"): signed and bounded DHT
+records on real hivemind DHTs, the median round, centered clipping (alone and inside a real hivemind all-reduce),
+and the receive-side check of an all-reduce result."""
+from __future__ import annotations
+
+import math
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from sync.records import peers_key
+from sync.robust import AggregationPolicy, centered_clip, robust_mean
+from sync.swarm import PeerRecord, Swarm, median_round, start_dht
+from sync.validate import RejectCounter
+
+RUN = "robust-test"
+
+
+@pytest.fixture
+def two_signed_dhts():
+    """Two peers' DHT nodes with the run's record validator, shut down at the end."""
+    rejects = RejectCounter()
+    first = start_dht(run_id=RUN, num_experts=4, record_ttl=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                      rejects=rejects)
+    second = None
+    try:
+        second = start_dht(initial_peers=[str(m) for m in first.get_visible_maddrs()], run_id=RUN, num_experts=4,
+                           record_ttl=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], rejects=rejects)
+        yield first, second, rejects
+    finally:
+        for dht in (second, first):
+            if dht is not None:
+                dht.shutdown()
+
+
+def test_only_the_key_holder_writes_its_record(two_signed_dhts):
+    first, second, rejects = two_signed_dhts
+    a, b = Swarm(first, RUN, 4), Swarm(second, RUN, 4)
+    a.publish(experts=[0, 1], round=3)
+    b.publish(experts=[2], round=3)
+    assert set(b.peers()) == {a.peer_id, b.peer_id}
+    # The tombstone attack: b's node stores under a's subkey. Unsigned by a's key, so no node keeps it.
+    forged = {"experts": [], "round": 0, "step": 0, "tokens": 0}
+    ok = second.store(peers_key(RUN), subkey=a.peer_id, value=forged, expiration_time=get_dht_time() + 20)
+    assert not ok
+    assert a.peers()[a.peer_id].experts == [0, 1] and b.peers()[a.peer_id].experts == [0, 1]
+    # A plain hivemind DHT without the validator stores it locally; honest nodes still refuse it from there.
+    outsider = hivemind.DHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], start=True,
+                            host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        outsider.store(peers_key(RUN), subkey=a.peer_id, value=forged, expiration_time=get_dht_time() + 20)
+        outsider.store(peers_key(RUN), subkey=str(outsider.peer_id), value={"experts": [3], "round": 2**62,
+                       "step": 0, "tokens": 0}, expiration_time=get_dht_time() + 20)
+        assert a.peers()[a.peer_id].experts == [0, 1]
+        assert str(outsider.peer_id) not in b.peers()  # unsigned record of the outsider itself: ignored
+    finally:
+        outsider.shutdown()
+    assert rejects.counts()["record"] >= 1
+
+
+def test_far_future_and_malformed_records_are_refused(two_signed_dhts):
+    first, second, rejects = two_signed_dhts
+    a = Swarm(first, RUN, 4)
+    now = get_dht_time()
+    # Signed by the rightful key, yet an expiration an hour away is refused by every node.
+    assert not first.store(peers_key(RUN), subkey=a.peer_id, value=PeerRecord(a.peer_id, [1]).to_value(),
+                           expiration_time=now + 3600)
+    for bad in ({"experts": [9], "round": 0, "step": 0, "tokens": 0},          # expert out of range
+                {"experts": [1], "round": 2**62, "step": 0, "tokens": 0},      # round near overflow
+                {"experts": [1], "round": 1, "step": 0, "tokens": 0, "x": 1},  # unknown field
+                {"experts": [1, 1], "round": 1, "step": 0, "tokens": 0}):      # duplicate expert
+        assert not first.store(peers_key(RUN), subkey=a.peer_id, value=bad, expiration_time=now + 20), bad
+    assert a.peers() == {}
+    a.publish(experts=[1], round=1)
+    assert list(Swarm(second, RUN, 4).peers()) == [a.peer_id]
+
+
+def test_median_round_ignores_one_liar():
+    records = [PeerRecord(f"p{i}", [0], round=r) for i, r in enumerate([7, 7, 8, 2**31 - 1])]
+    assert median_round(records) == 7
+    assert median_round(records[:1] + records[3:]) == 7  # two records: the lower one, never the liar's
+    assert median_round([]) is None
+
+
+def test_centered_clip_is_the_plain_mean_without_outliers():
+    torch.manual_seed(0)
+    base = torch.randn(1000)
+    x = base + 0.1 * torch.randn(5, 1000)
+    w = torch.tensor([1.0, 2.0, 1.0, 3.0, 1.0])
+    mean = (w[:, None] * x).sum(0) / w.sum()
+    assert torch.equal(centered_clip(x, w), mean)
+
+
+def test_centered_clip_bounds_one_attacker():
+    torch.manual_seed(0)
+    honest = torch.randn(1000) + 0.05 * torch.randn(3, 1000)
+    honest_mean = honest.mean(0)
+    spread = float(torch.linalg.vector_norm(honest - honest_mean, dim=1).max())
+    for attack in (honest[0] * 1e6, -9 * honest[0], torch.zeros(1000)):
+        x = torch.cat([honest, attack[None]])
+        out = centered_clip(x, torch.ones(4))
+        # The attacker moves the result by at most weight share x tau (= 2.5 x median distance).
+        assert float(torch.linalg.vector_norm(out - honest_mean)) < 2 * spread
+
+
+def test_policy_drops_nonfinite_and_caps_weights():
+    rejects = RejectCounter()
+    policy = AggregationPolicy("centered_clip", max_weight=100.0, rejects=rejects)
+    honest = [torch.full((10,), v) for v in (1.0, 1.1, 0.9)]
+    out = policy.aggregate(honest + [torch.full((10,), float("nan"))], [100, 100, 100, 100], torch.Size([10]))
+    assert torch.allclose(out, torch.full((10,), 1.0))
+    out = policy.aggregate(honest + [torch.zeros(10)], [100, 100, 100, 1e9], torch.Size([10]))
+    assert float(out.min()) > 0.7  # the 1e9 weight counts as 100: the zeros are one voice of four, clipped
+    assert rejects.counts()["nonfinite"] == 1 and rejects.counts()["weight"] == 1
+
+
+def test_robust_mean_of_expert_copies():
+    honest = [{"w": torch.ones(4, 4) + 0.01 * i, "b": torch.ones(4)} for i in range(3)]
+    forged = {"w": -9 * torch.ones(4, 4), "b": -9 * torch.ones(4)}
+    out = robust_mean(honest + [forged])
+    assert float(out["w"].min()) > 0.5 and out["b"].shape == (4,)
+    plain = robust_mean(honest)
+    assert torch.allclose(plain["w"], torch.stack([h["w"] for h in honest]).mean(0))
+
+
+def test_robust_allreduce_in_real_averagers():
+    """Four real hivemind averagers with the robust reducer installed: one sends x1e6 with weight 1e9. The
+    honest peers' results stay near the honest mean, and without the attacker the result is the plain mean."""
+    from sync.shared import _CountingAverager, WireCounter
+    torch.manual_seed(0)
+    rejects = RejectCounter()
+    values = [torch.randn(4096) * 0.01 + 1.0 for _ in range(3)] + [torch.full((4096,), 1e6)]
+    weights = [10.0, 10.0, 10.0, 1e9]
+    dhts, averagers = [], []
+    try:
+        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        peers = [str(m) for m in dhts[0].get_visible_maddrs()]
+        for _ in range(3):
+            dhts.append(hivemind.DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        for dht, value in zip(dhts, values):
+            averagers.append(_CountingAverager(
+                [value.clone()], dht, prefix="robust_test", start=True, min_group_size=4, target_group_size=4,
+                min_matchmaking_time=3.0, request_timeout=1.0, wire=WireCounter(), rejects=rejects,
+                policy=AggregationPolicy("centered_clip", max_weight=10.0, rejects=rejects)))
+        controls = [a.step(weight=w, wait=False, timeout=30) for a, w in zip(averagers, weights)]
+        for control in controls:
+            control.result(timeout=60)
+        honest_mean = torch.stack(values[:3]).mean(0)
+        for averager in averagers[:3]:
+            with averager.get_tensors() as (tensor,):
+                assert float((tensor - honest_mean).abs().max()) < 0.1  # not 2.5e5, as a plain mean would be
+        assert rejects.counts()["weight"] >= 1
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
