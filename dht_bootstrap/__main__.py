@@ -1,9 +1,10 @@
 """`python -m dht_bootstrap`: a long-lived DHT node for a run (SPEC §3).
 
 Logs one `initial peer: MADDR` line per visible address at start (what peers pass to `--initial-peers`), then a
-status line every `--status-every` seconds; with `--metrics-port` serves the swarm-level gauges of SPEC §4.
-Exit codes: 0 after SIGINT/SIGTERM (DHT and p2pd shut down); 2 with one line naming the cause for bad input
-(bad multiaddr, port in use, metrics port in use, unreachable initial peer); 1 if the DHT process dies.
+status line every `--status-every` seconds; with `--metrics-port` serves the swarm-level gauges of SPEC §4; with
+`--organizer-key` it enforces a closed run (SPEC §3a) like every peer. Exit codes: 0 after SIGINT/SIGTERM (DHT and
+p2pd shut down); 2 with one line naming the cause for bad input (bad multiaddr, port in use, metrics port in use,
+unreachable initial peer, bad organizer key); 1 if the DHT process dies.
 """
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts in the run's model, for coverage (default: 8, as configs/small.yaml)")
     p.add_argument("--metrics-port", type=_port, default=0, metavar="PORT",
                    help="serve the swarm gauges for Prometheus on this port (0 = off, the default)")
+    p.add_argument("--organizer-key", metavar="KEY_OR_FILE", default="",
+                   help="a closed run: the organizer's public key (base64, as python -m peer.admit keygen prints "
+                        "it) or a file holding it; this node then stores and serves only the records that the "
+                        "run's validator accepts (default: an open run)")
     p.add_argument("--status-every", type=_positive, default=60.0, metavar="SECONDS",
                    help="log a status line this often (default: 60)")
     return p
@@ -120,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     host_maddrs = args.host_maddrs or default_host_maddrs(DEFAULT_PORT if args.port is None else args.port)
     try:
         node = BootstrapNode(args.run_id, args.num_experts, host_maddrs, args.announce_maddrs, args.identity_path,
-                             args.initial_peers, args.metrics_port, use_relay=args.use_relay,
-                             use_auto_relay=args.use_auto_relay)
+                             args.initial_peers, args.metrics_port, organizer_key=args.organizer_key,
+                             use_relay=args.use_relay, use_auto_relay=args.use_auto_relay)
     except BootstrapError as e:
         logger.error(f"error: {e}")
         return 2
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.info(f"initial peer: {maddr}")
         if args.metrics_port:
             logger.info(f"serving swarm metrics on port {args.metrics_port}")
+        if node.admission is not None:
+            logger.info(f"closed run {args.run_id}: only peers with the organizer's tickets take part")
         node.reconnect()
         node.serve_forever(stop, args.status_every)
     except BootstrapError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import inspect
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from sync.admission import Admission, AdmissionError, dht_admission_kwargs, load_organizer_public_key
 from sync.swarm import PeerRecord, Swarm, SwarmError, busy_tcp_port, start_dht_node
 
 logger = get_logger(__name__)
@@ -153,19 +155,33 @@ class BootstrapNode:
 
     def __init__(self, run_id: str, num_experts: int, host_maddrs: Sequence[str],
                  announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
-                 initial_peers: Sequence[str] = (), metrics_port: int = 0, **p2p_options: Any):
+                 initial_peers: Sequence[str] = (), metrics_port: int = 0, organizer_key: str = "",
+                 **p2p_options: Any):
+        """`organizer_key` (base64 or a key file): a closed run, whose records this node's DHT validates like
+        every peer's; the node itself holds no ticket."""
         check_maddrs(host_maddrs, "--host-maddrs")
         check_maddrs(announce_maddrs, "--announce-maddrs")
         check_maddrs(initial_peers, "--initial-peers")
         check_ports_free(host_maddrs)
         self.run_id, self.num_experts = run_id, num_experts
+        self.admission: Admission | None = None
+        if organizer_key:
+            try:
+                self.admission = Admission(load_organizer_public_key(organizer_key), run_id, own_ticket=None)
+            except AdmissionError as e:
+                raise BootstrapError(str(e)) from None
+        record_checks = dht_admission_kwargs(run_id, self.admission)
+        if self.admission is not None and "admission" not in record_checks:
+            logger.warning("this build's DHT node cannot validate records: the closed run is enforced by the "
+                           "peers only")
         self.gauges = SwarmGauges(num_experts) if metrics_port else None
         if self.gauges is not None:  # before the DHT: a busy metrics port fails without starting p2pd
             self.gauges.serve(metrics_port)
         if identity_path:  # hivemind writes a missing key file but not its folder
             Path(identity_path).parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.dht = start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, **p2p_options)
+            self.dht = start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, **record_checks,
+                                      **p2p_options)
         except SwarmError as e:
             if self.gauges is not None:
                 self.gauges.close()
@@ -175,8 +191,10 @@ class BootstrapNode:
         self.peers_path = Path(f"{identity_path}.peers") if identity_path else None
         self._remembered: list[str] = []
         self._remember_failed = False
-        # Swarm only reads here: its constructor stores nothing, and publish/heartbeat are never called.
-        self.reader = Swarm(self.dht, run_id, num_experts)
+        # Swarm only reads here: its constructor stores nothing, and publish/heartbeat are never called. In a closed
+        # run it also skips revoked peers (where this build's Swarm knows about admission).
+        closed = {"admission": self.admission} if "admission" in inspect.signature(Swarm).parameters else {}
+        self.reader = Swarm(self.dht, run_id, num_experts, **closed)
         self.short_id = self.reader.peer_id[-6:]
         self.status = SwarmStatus.from_records({}, num_experts)
 

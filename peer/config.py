@@ -96,6 +96,18 @@ class MetricsConfig:
 
 
 @dataclass
+class AdmissionConfig:
+    """Closed runs (SPEC §3a). With no organizer key the run is open: anyone may join."""
+
+    organizer_key: str = ""
+    """The organizer's Ed25519 public key (base64, as `python -m peer.admit keygen` prints it) or a file holding
+    it. Set = a closed run: only peers with an unexpired, unrevoked ticket for their own peer ID take part."""
+    ticket: str = ""
+    """This peer's ticket from the organizer (`python -m peer.admit sign`): a file, or its base64 text. Needs
+    --identity-path: the ticket is signed for that identity's peer ID."""
+
+
+@dataclass
 class RunConfig:
     """Everything one peer needs; the YAML file mirrors this structure (SPEC §3b)."""
 
@@ -106,6 +118,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def validate(self) -> None:
         if not self.run_id or any(c in self.run_id for c in " ./\\"):

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from hivemind.utils.logging import get_logger, use_hivemind_log_handler
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", metavar="NAME_OR_PATH",
                    help="hub dataset name, local path (txt/jsonl/parquet), or builtin (config: data.dataset)")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="HF tokenizer name/path or builtin (config: data.tokenizer)")
+    p.add_argument("--organizer-key", metavar="KEY_OR_FILE",
+                   help="a closed run: the organizer's public key (base64, as python -m peer.admit keygen prints it) "
+                        "or a file holding it; needs --ticket and --identity-path (config: admission.organizer_key)")
+    p.add_argument("--ticket", metavar="TICKET",
+                   help="this peer's ticket for a closed run (python -m peer.admit sign): a file or its base64 text, "
+                        "signed for the peer ID of --identity-path (config: admission.ticket)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field by dotted path, e.g. --set model.d_model=512 (repeatable)")
     return p
@@ -66,6 +73,7 @@ def overrides_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
         "sync.experts": args.experts, "sync.every": args.sync_every,
         "train.max_steps": args.max_steps, "train.device": args.device,
         "data.dataset": args.dataset, "data.tokenizer": args.tokenizer, "metrics.port": args.metrics_port,
+        "admission.organizer_key": args.organizer_key, "admission.ticket": args.ticket,
     }
     overrides: list[dict[str, Any]] = []
     for key, value in flat.items():
@@ -147,6 +155,19 @@ def keep_p2pd_out_of_terminal_signals() -> None:
     asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
 
 
+def check_admission(cfg: RunConfig, identity_path: str | None) -> None:
+    """A closed run: its ticket must be for this run, this peer (the identity's peer ID) and unexpired; checked
+    here, before the DHT starts, so a wrong ticket costs one line instead of a peer refused at every door."""
+    if not (cfg.admission.organizer_key or cfg.admission.ticket):
+        return
+    from sync.admission import load_admission
+    admission = load_admission(cfg.admission, cfg.run_id, identity_path)  # AdmissionError: a ValueError
+    if admission is not None:
+        expiry = admission.ticket_expiry(admission.own_ticket)
+        logger.info(f"closed run {cfg.run_id}: ticket valid until "
+                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expiry))}")
+
+
 def start_metrics(cfg: RunConfig) -> "PeerMetrics | None":
     """The metrics endpoint, started before anything heavy so a taken port costs nothing; None if off."""
     if not cfg.metrics.port:
@@ -177,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_maddrs("--initial-peers", args.initial_peers or ())
         parse_maddrs("--announce-maddrs", args.announce_maddrs or ())
         hosts = parse_maddrs("--host-maddrs", host_maddrs)
+        check_admission(cfg, args.identity_path)
         if cfg.sync.every > 0:
             check_host_ports(hosts)
         metrics = start_metrics(cfg)

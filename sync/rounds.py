@@ -274,7 +274,12 @@ class SparseSync:
         if self._expert_avg is None:
             params = [t for e in key for t in self._owned_params(e)]
             prefix = f"{self.swarm.run_id}_experts_{'-'.join(map(str, key))}"
-            self._expert_avg = SharedAverager(self.model, self.swarm, self.cfg, params=params, prefix=prefix)
+            self._expert_avg = SharedAverager(self.model, self.swarm, self.cfg, params=params, prefix=prefix,
+                                              rejects=self.rejects, max_weight=self.max_weight, gate=self.gate)
+            # Its results are judged against the experts' last synchronized values, not today's trained ones.
+            names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
+            if all(e in self._expert_synced for e in key):
+                self._expert_avg.synced = [self._expert_synced[e][n].clone() for e in key for n in names]
         self._expert_avg.take_snapshot()
         return self._expert_avg
 
@@ -321,9 +326,9 @@ class SparseSync:
         else:
             if report.group_size > 1:
                 report.rejected += self.shared.apply(tokens=pending.weight)
-            synced = self._synced_owned(means, pending.own_snapshots, report.expert_group_size > 1)
             if report.expert_group_size > 1 and self._expert_avg is not None:
                 report.rejected += self._expert_avg.apply(tokens=pending.weight)
+            synced = self._synced_owned(means, pending.own_snapshots, report.expert_group_size > 1)
             self._apply_experts(means, pending.own_snapshots)
             if merge_due(pending.step, self.cfg.merge) and synced:
                 report.merge_alpha = merge_alpha(pending.step, self.cfg.merge)
@@ -384,10 +389,10 @@ class SparseSync:
         """This round's synchronized (pre-merge) value of each expert this peer owns."""
         synced = {e: means.get(e, snapshot) for e, snapshot in own.items()}
         if all_reduced and self._expert_avg is not None:
-            with self._expert_avg.averager.get_tensors() as averaged:
-                names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
-                values = iter(averaged)
-                synced = {e: {name: next(values).clone() for name in names} for e in self._expert_avg_key}
+            # The replicas' all-reduce result as apply() accepted it (refused tensors: this peer's snapshot).
+            names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
+            values = iter(self._expert_avg.synced)
+            synced = {e: {name: next(values).clone() for name in names} for e in self._expert_avg_key}
         return synced
 
     @torch.no_grad()
@@ -499,6 +504,9 @@ class SparseSync:
             owned = sorted(set(self.model.owned_experts) | set(adopt))
             logger.info(f"adopting orphaned experts {adopt}: no live owner")
             self.set_owned(owned)
+            for expert in adopt:  # its last synchronized value is what this peer holds of it now
+                self._expert_synced[expert] = {k: v.detach().float().cpu().clone()
+                                               for k, v in self.model.expert_tensors(expert).items()}
             self.swarm.publish(experts=owned)
         return adopt
 

@@ -157,3 +157,31 @@ def test_robust_allreduce_in_real_averagers():
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_nonfinite_loss_right_after_a_round_rolls_back_and_training_goes_on(tmp_path):
+    """A real lone peer (DHT, averager, rounds): right after round 1 is applied, a shared weight turns NaN (as if
+    something had slipped through every check). The next step's loss is NaN: the peer restores the values from
+    before that round, counts it, and finishes its run with a finite loss instead of dying."""
+    from peer.config import load_config, parse_override
+    from peer.node import PeerNode
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "configs/tiny.yaml", [parse_override(s) for s in (
+        f"run_dir={tmp_path / 'run'}", "train.max_steps=12", "sync.every=4", "sync.overlap=false",
+        "train.checkpoint_every=0", "train.eval_every=0")])
+    poisoned = []
+
+    def poison(trainer) -> None:
+        if trainer.step == 4 and not poisoned:  # the hook runs after the round of step 4 was applied
+            name, param = trainer.model.shared_parameters()[0]
+            with torch.no_grad():
+                param.fill_(float("nan"))
+            poisoned.append(name)
+
+    with PeerNode(cfg, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as node:
+        node.trainer.step_hooks.append(poison)
+        node.run()
+        assert poisoned and node.sync.rollbacks == 1
+        assert node.trainer.step == 12 and math.isfinite(node.trainer.last_loss)
+        assert all(bool(torch.isfinite(p).all()) for _, p in node.trainer.model.shared_parameters())
