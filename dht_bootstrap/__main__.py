@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts in the run's model, for coverage (default: 8, as configs/small.yaml)")
     p.add_argument("--metrics-port", type=_port, default=0, metavar="PORT",
                    help="serve the swarm gauges for Prometheus on this port (0 = off, the default)")
+    p.add_argument("--record-ttl", type=_positive, default=30.0, metavar="SECONDS",
+                   help="the run's sync.record_ttl: records expiring later than now + this + 10 s are refused "
+                        "(default 30, as peer.run)")
     p.add_argument("--organizer-key", metavar="KEY_OR_FILE", default="",
                    help="a closed run: the organizer's public key (base64, as python -m peer.admit keygen prints "
                         "it) or a file holding it; this node then stores and serves only the records that the "
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         node = BootstrapNode(args.run_id, args.num_experts, host_maddrs, args.announce_maddrs, args.identity_path,
                              args.initial_peers, args.metrics_port, organizer_key=args.organizer_key,
+                             record_ttl=args.record_ttl,
                              use_relay=args.use_relay, use_auto_relay=args.use_auto_relay)
     except BootstrapError as e:
         logger.error(f"error: {e}")

@@ -23,7 +23,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from sync.admission import Admission, AdmissionError, dht_admission_kwargs, load_organizer_public_key
+from sync.admission import Admission, AdmissionError, load_organizer_public_key
 from sync.swarm import PeerRecord, Swarm, SwarmError, busy_tcp_port, start_dht_node
 
 logger = get_logger(__name__)
@@ -156,7 +156,7 @@ class BootstrapNode:
     def __init__(self, run_id: str, num_experts: int, host_maddrs: Sequence[str],
                  announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
                  initial_peers: Sequence[str] = (), metrics_port: int = 0, organizer_key: str = "",
-                 **p2p_options: Any):
+                 record_ttl: float = 30.0, **p2p_options: Any):
         """`organizer_key` (base64 or a key file): a closed run, whose records this node's DHT validates like
         every peer's; the node itself holds no ticket."""
         check_maddrs(host_maddrs, "--host-maddrs")
@@ -170,10 +170,10 @@ class BootstrapNode:
                 self.admission = Admission(load_organizer_public_key(organizer_key), run_id, own_ticket=None)
             except AdmissionError as e:
                 raise BootstrapError(str(e)) from None
-        record_checks = dht_admission_kwargs(run_id, self.admission)
-        if self.admission is not None and "admission" not in record_checks:
-            logger.warning("this build's DHT node cannot validate records: the closed run is enforced by the "
-                           "peers only")
+        # Like every node of the run, this one refuses unsigned, malformed or far-future records (sync.records);
+        # record_ttl must be the run's sync.record_ttl, or the peers' records would look far-future here.
+        record_checks = {"run_id": run_id, "admission": self.admission, "num_experts": num_experts,
+                         "record_ttl": record_ttl}
         self.gauges = SwarmGauges(num_experts) if metrics_port else None
         if self.gauges is not None:  # before the DHT: a busy metrics port fails without starting p2pd
             self.gauges.serve(metrics_port)

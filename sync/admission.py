@@ -409,6 +409,7 @@ class Gate:
     def __init__(self, dht: "hivemind.DHT", admission: Admission, refresh: float = 2.0, read_timeout: float = 10.0):
         self.dht, self.admission = dht, admission
         self.refresh, self.read_timeout = float(refresh), float(read_timeout)
+        self.miss_refresh = min(0.25, self.refresh)
         self._admitted: dict[str, float] = {}  # peer ID -> its ticket's expiry, from the last good read
         self._read_at = -math.inf  # time.monotonic() of the last read attempt
         self._failing = False
@@ -424,6 +425,10 @@ class Gate:
         try:
             key = peer_id.to_base58() if hasattr(peer_id, "to_base58") else str(peer_id)
             if time.monotonic() - self._read_at >= self.refresh:
+                await self._refresh()
+            elif key not in self._admitted and time.monotonic() - self._read_at >= self.miss_refresh:
+                # A peer that just published its record (a joiner asking for the state) must not wait out the
+                # whole refresh period; strangers can make this node re-read at most every miss_refresh s.
                 await self._refresh()
             expiry = self._admitted.get(key)
             return expiry is not None and expiry > time.time()

@@ -131,6 +131,11 @@ class SparseSync:
         """Publish ownership; if the swarm already has peers, download its state. Returns the swarm's round."""
         others = self._others()
         if others:
+            # In a closed run the others' doors open only to peers with a (ticketed) record: publish it before
+            # asking them for the state, with the swarm's round (median, see _download_state).
+            self.round_id = max(self.round_id, median_round(others.values()))
+            self.swarm.publish(experts=sorted(self.model.owned_experts), round=self.round_id, step=step,
+                               tokens=tokens)
             self._download_state(others)
         self._publish(step, tokens)
         self.swarm.start_heartbeat()

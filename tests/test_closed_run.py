@@ -1,0 +1,98 @@
+"""A closed run end to end (issue 9.3, docs/DESIGN.md "Closed runs"): two ticketed peers and a stranger with only
+the initial peer's address, all real hivemind DHTs, averagers and expert exchanges in one process. The stranger
+gets nothing at any door — its record is not read, its expert and state requests are refused, it never joins
+the all-reduce — and a peer revoked while the run is live is dropped."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from model.config import ModelConfig
+from model.model import SpesMoE
+from sync.admission import (Admission, Gate, generate_organizer_key, load_organizer_public_key,
+                            peer_id_from_identity, publish_revocation, sign_revocation, sign_ticket)
+from sync.config import SyncConfig
+from sync.rounds import SparseSync
+from sync.swarm import Swarm, start_dht
+
+RUN = "closed-test"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, num_experts=4, top_k=2,
+                    expert_hidden=32, seq_len=16)
+
+
+@pytest.fixture
+def closed_swarm(tmp_path):
+    """Peers A and B with tickets, stranger S without (its own node is an open-run node: it signs its own
+    record and validates nothing of the organizer's). Yields (a, b, s, key_path); shuts everything down."""
+    key_path = str(tmp_path / "org.key")
+    public = load_organizer_public_key(generate_organizer_key(key_path))
+    cfg = SyncConfig(every=1, round_timeout=15.0, matchmaking_time=2.0, record_ttl=10.0)
+    syncs: list[SparseSync] = []
+    initial: list[str] = []
+
+    def make(name: str, owned: list[int], ticketed: bool) -> SparseSync:
+        identity = str(tmp_path / f"{name}.id")
+        peer_id = peer_id_from_identity(identity, create=True)
+        admission = Admission(public, RUN, sign_ticket(key_path, RUN, peer_id, days=1)) if ticketed else None
+        dht = start_dht(initial, LOOPBACK, identity_path=identity, run_id=RUN, num_experts=MODEL.num_experts,
+                        record_ttl=cfg.record_ttl, admission=admission)
+        if not initial:
+            initial.extend(str(m) for m in dht.get_visible_maddrs())
+        swarm = Swarm(dht, RUN, MODEL.num_experts, ttl=cfg.record_ttl,
+                      ticket=admission.own_ticket if admission else b"", admission=admission)
+        model = SpesMoE(MODEL, owned_experts=owned, seed=0)
+        gate = Gate(dht, admission) if admission else None
+        sync = SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts, gate=gate)
+        syncs.append(sync)
+        return sync
+
+    try:
+        a = make("a", [0, 1], True)
+        a.join(0, 0)
+        b = make("b", [2, 3], True)
+        b.join(0, 0)
+        s = make("s", [0], False)
+        s.join(0, 0)
+        yield a, b, s, key_path
+    finally:
+        for sync in reversed(syncs):
+            sync.shutdown()
+
+
+def test_stranger_gets_nothing_at_any_door(closed_swarm):
+    a, b, s, _ = closed_swarm
+    assert set(a.swarm.peers()) == {a.swarm.peer_id, b.swarm.peer_id}  # S's record is refused by every node
+    assert s.swarm.peer_id not in b.swarm.peers()
+    a_id = PeerID.from_base58(a.swarm.peer_id)
+    # The expert exchange: S asks A for an expert A publishes.
+    assert s.exchange.fetch(a_id, 0, a.round_id, timeout=5.0) is None
+    # The state download door of A's shared averager.
+    assert s.exchange.download_state(a_id, a.shared.averager.prefix, timeout=5.0) is None
+    assert a.rejects.counts()["unauthorized"] >= 2
+    # The all-reduce: all three try a round; A and B average with each other only.
+    for sync in (a, b, s):
+        sync.start_round(step=1, tokens=100, tokens_since_last=100)
+    reports = [sync.finish_round(block=True) for sync in (a, b, s)]
+    assert reports[0].group_size == 2 and reports[1].group_size == 2, reports
+    assert reports[2].group_size <= 1
+    # ...and the admitted peers still fetch each other's experts.
+    assert b.exchange.fetch(a_id, 0, a.round_id, timeout=5.0) is not None
+
+
+def test_revoked_peer_is_dropped_while_the_run_is_live(closed_swarm):
+    a, b, _, key_path = closed_swarm
+    b_id = b.swarm.peer_id
+    gate = a.gate
+    assert gate.admits_sync(b_id)
+    assert publish_revocation(a.swarm.dht, RUN, b_id, sign_revocation(key_path, RUN, b_id), ttl_days=1)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (b_id in a.swarm.peers() or gate.admits_sync(b_id)):
+        time.sleep(0.5)
+    assert b_id not in a.swarm.peers()
+    assert not gate.admits_sync(b_id)
+    # A's doors are closed to B now: its expert exchange refuses B's request.
+    assert b.exchange.fetch(PeerID.from_base58(a.swarm.peer_id), 0, a.round_id, timeout=5.0) is None
