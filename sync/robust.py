@@ -37,20 +37,29 @@ def centered_clip(x_NP: torch.Tensor, w_N: torch.Tensor, clip_factor: float = 2.
 
     With fewer than 3 rows there is no majority to stand on: the plain weighted mean is returned (the receivers'
     own bound on the change then decides, see sync.shared.SharedAverager.apply)."""
+    return centered_clip_outliers(x_NP, w_N, clip_factor, iters)[0]
+
+
+def centered_clip_outliers(x_NP: torch.Tensor, w_N: torch.Tensor, clip_factor: float = 2.5,
+                           iters: int = 50) -> tuple[torch.Tensor, int]:
+    """centered_clip, plus how many rows lie more than 2 tau from the result (clipped to under half their pull:
+    the outliers worth counting as refusals)."""
     x_NP, w_N = x_NP.float(), w_N.float()
     total = float(w_N.sum())
     if total <= 0:
         w_N, total = torch.ones_like(w_N), float(x_NP.shape[0])
     mean_P = (w_N[:, None] * x_NP).sum(0) / total
     if x_NP.shape[0] < 3:
-        return mean_P
+        return mean_P, 0
     median_P = coordinate_median(x_NP)
     dist_N = torch.linalg.vector_norm(x_NP - median_P, dim=1)
     tau = clip_factor * float(coordinate_median(dist_N[:, None])[0])
     if not tau > 0:  # at least half the rows coincide: the median is the robust answer
-        return mean_P if float(torch.linalg.vector_norm(x_NP - mean_P, dim=1).max()) == 0 else median_P
+        if float(torch.linalg.vector_norm(x_NP - mean_P, dim=1).max()) == 0:
+            return mean_P, 0
+        return median_P, int((torch.linalg.vector_norm(x_NP - median_P, dim=1) > 0).sum())
     if float(torch.linalg.vector_norm(x_NP - mean_P, dim=1).max()) <= tau:
-        return mean_P  # nobody is an outlier: exactly the plain mean
+        return mean_P, 0  # nobody is an outlier: exactly the plain mean
     v_P = median_P
     for _ in range(iters):
         diff_NP = x_NP - v_P
@@ -59,7 +68,7 @@ def centered_clip(x_NP: torch.Tensor, w_N: torch.Tensor, clip_factor: float = 2.
         v_P = v_P + step_P
         if float(torch.linalg.vector_norm(step_P)) <= 1e-6 * tau:
             break
-    return v_P
+    return v_P, int((torch.linalg.vector_norm(x_NP - v_P, dim=1) > 2 * tau).sum())
 
 
 def robust_mean(copies: Sequence[dict[str, torch.Tensor]], clip_factor: float = 2.5) -> dict[str, torch.Tensor]:
@@ -84,9 +93,9 @@ class AggregationPolicy:
                  rejects=None):
         self.rule, self.max_weight, self.clip_factor, self.rejects = rule, max_weight, clip_factor, rejects
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, n: int = 1) -> None:
         if self.rejects is not None:
-            self.rejects.add(reason)
+            self.rejects.add(reason, n)
 
     def aggregate(self, parts: list[torch.Tensor], weights: list[float], shape: torch.Size) -> torch.Tensor:
         """The reduced part from every sender's copy of it."""
@@ -107,7 +116,9 @@ class AggregationPolicy:
             total = float(w_N.sum())
             out_P = (w_N[:, None] * x_NP).sum(0) / total if total > 0 else x_NP.mean(0)
         else:
-            out_P = centered_clip(x_NP, w_N, self.clip_factor)
+            out_P, outliers = centered_clip_outliers(x_NP, w_N, self.clip_factor)
+            if outliers:
+                self._reject("delta", outliers)  # clipped: counted, so an attack shows in the metrics
         return out_P.reshape(shape)
 
 

@@ -111,6 +111,7 @@ class SparseSync:
         self._expert_synced: dict[int, Snapshot] = {}
         self._stale: dict[int, int] = {}
         self._strikes: dict[str, int] = {}
+        self._retry_at: dict[str, int] = {}  # round from which a struck owner is asked again
         self.rounds_alone = 0
         self.rollbacks = 0
         self._pre_apply: tuple[list[torch.Tensor], dict[int, Snapshot]] | None = None
@@ -435,10 +436,12 @@ class SparseSync:
                     owners.setdefault(expert, []).append(record)
         futures, finished_at = {}, {}
         started = time.monotonic()
-        for expert, records in owners.items():
+        for expert, records in list(owners.items()):
+            # An owner that let a fetch time out is skipped for 2, 4, 8.. rounds, then retried with a short
+            # timeout: a claimed owner that never serves costs one timeout, not one per round.
+            records = [r for r in records if self._retry_at.get(r.peer_id, 0) <= self.round_id]
+            owners[expert] = records
             for record in records:
-                # An owner that let a fetch time out before gets a short one: a claimed owner that never serves
-                # costs one timeout, not one per round.
                 timeout = self._fetch_timeout(record.peer_id)
                 # An owner that is behind serves the newest round it has; one round of staleness is expected.
                 round_id = min(self.round_id, record.round)
@@ -496,11 +499,13 @@ class SparseSync:
     def _note_serving(self, peer_id: str, served: bool) -> None:
         if served:
             self._strikes.pop(peer_id, None)
+            self._retry_at.pop(peer_id, None)
         else:
-            if peer_id not in self._strikes:
-                logger.warning(f"peer ...{peer_id[-6:]} claims experts but let a fetch time out: short timeouts "
-                               f"for it from now on")
-            self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            self._retry_at[peer_id] = self.round_id + 2 ** min(strikes, 5)
+            if strikes == 1:
+                logger.warning(f"peer ...{peer_id[-6:]} claims experts but let a fetch time out: skipped for a "
+                               f"few rounds, then retried with a short timeout")
 
     def _adopt(self, records: dict[str, PeerRecord]) -> list[int]:
         self._seen_owned |= {e for r in records.values() for e in r.experts}

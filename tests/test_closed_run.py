@@ -96,3 +96,72 @@ def test_revoked_peer_is_dropped_while_the_run_is_live(closed_swarm):
     assert not gate.admits_sync(b_id)
     # A's doors are closed to B now: its expert exchange refuses B's request.
     assert b.exchange.fetch(PeerID.from_base58(a.swarm.peer_id), 0, a.round_id, timeout=5.0) is None
+
+
+@pytest.mark.slow
+def test_closed_run_as_processes(tmp_path):
+    """`python -m dht_bootstrap --organizer-key` + two ticketed `peer.run` peers + a stranger `peer.run` given only
+    the initial peer's address: the admitted peers average with each other in every round, the stranger with
+    nobody, and everyone exits 0."""
+    import json
+    import re
+    import subprocess
+
+    from sync.admission import encode_signed
+    from tests.conftest import REPO, peer_cmd
+    from tests.test_e2e import ENV, _p2pd_pids
+
+    key = str(tmp_path / "org.key")
+    public = generate_organizer_key(key)
+    boot = subprocess.Popen([*peer_cmd()[:2], "dht_bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id",
+                             "closed", "--num-experts", "4", "--organizer-key", public], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        initial = None
+        deadline = time.time() + 60
+        while initial is None and time.time() < deadline:
+            match = re.search(r"initial peer: (/ip4/127\.0\.0\.1/\S+)", boot.stdout.readline())
+            initial = match.group(1) if match else None
+        assert initial, "the bootstrap node printed no initial peer line"
+        common = ["--config", "configs/tiny.yaml", "--initial-peers", initial, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                  "--run-id", "closed", "--max-steps", "30", "--sync-every", "10", "--set", "sync.matchmaking_time=2",
+                  "--set", "sync.round_timeout=20", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0"]
+        for name in ("a", "b"):
+            identity = str(tmp_path / f"{name}.id")
+            ticket = tmp_path / f"{name}.ticket"
+            ticket.write_text(encode_signed(sign_ticket(key, "closed", peer_id_from_identity(identity, create=True), 1)))
+            procs.append(subprocess.Popen(peer_cmd(*common, "--run-dir", str(tmp_path / name), "--identity-path",
+                                                   identity, "--organizer-key", public, "--ticket", str(ticket),
+                                                   "--set", "sync.wait_for_peers=2"),
+                                          cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(peer_cmd(*common, "--run-dir", str(tmp_path / "stranger")), cwd=REPO, env=ENV,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outputs = [p.communicate(timeout=300)[1] for p in procs]
+        for name, err in zip(("a", "b", "stranger"), outputs):
+            (tmp_path / f"{name}.log").write_text(err)
+        for p, err in zip(procs, outputs):
+            assert p.returncode == 0, err[-3000:]
+        for name, err in zip("ab", outputs[:2]):
+            groups = re.findall(r"shared group (\d+)", err)
+            assert groups and set(groups) == {"2"}, err[-3000:]  # never with the stranger
+            last = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
+            assert last["rejected"]["unauthorized"] > 0, last
+        # The stranger may lead a "group" that admitted peers leave before any tensor moves (their averagers
+        # refuse an all-reduce with an unadmitted member), but it never receives an expert.
+        synced = re.findall(r"experts synced (\d+)", outputs[2])
+        assert synced and set(synced) == {"0"}, outputs[2][-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        boot.terminate()
+        try:
+            boot.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            boot.kill()
+    deadline = time.time() + 15
+    while _p2pd_pids() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _p2pd_pids(), "p2pd daemons left behind"
