@@ -1,0 +1,291 @@
+"""Hostile volunteers (issue 9): the defended behaviour, against attackers from bench/adversary.py.
+
+(a) In one pytest process: two honest `SparseSync` peers on real hivemind DHTs (as in tests/test_swarm.py) and
+one attacker started through `bench.adversary.start_attacker`; each test asserts what issue 9 asks of the honest
+peers: they keep averaging with each other, stay finite, the liar's round counter and forged records do not move
+them, an expert is not taken over, a silent owner costs one timeout at most, and refusals are counted in
+`sync.rejects.counts()`. (b) A slow smoke run of `python -m bench.byzantine` on one attack at a tiny scale.
+
+Peer a owns experts 0-1 and peer b expert 2; expert 3 is owned by nobody (the attackers' "spare" claim).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from bench.adversary import start_attacker, supported_kwargs
+from model.config import ModelConfig
+from model.model import SpesMoE
+from peer.config import RunConfig
+from sync.config import SyncConfig
+from sync.rounds import SparseSync
+from sync.swarm import Swarm, start_dht
+from sync.validate import RejectCounter
+from tests.conftest import REPO
+
+RUN_ID = "byz-test"
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, top_k=2,
+                    expert_hidden=32, seq_len=16, frozen_expert_dtype="float32")
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+TOKENS = 128  # what each honest peer claims per round: a full round at the run's batch settings (the weight cap)
+ROUNDS = 3
+
+
+@dataclass
+class Peer:
+    model: SpesMoE
+    swarm: Swarm
+    sync: SparseSync
+
+
+def _sync_cfg(**kw) -> SyncConfig:
+    return SyncConfig(**{"every": 1, "round_timeout": 20.0, "matchmaking_time": 2.0, "record_ttl": 6.0, **kw})
+
+
+def _run_cfg(sync: SyncConfig) -> RunConfig:
+    return RunConfig(run_id=RUN_ID, model=MODEL, sync=sync)
+
+
+def _cap(cfg: RunConfig) -> float:
+    t = cfg.train
+    return float(cfg.sync.every * t.grad_accum * t.batch_size * cfg.model.seq_len)
+
+
+@pytest.fixture
+def honest():
+    """make(owned, cfg) -> an honest peer wired as peer.node.PeerNode wires one (validated DHT records, shared
+    reject counter, weight cap: whatever this build's start_dht / SparseSync accept)."""
+    peers: list[Peer] = []
+    first: list[str] = []
+
+    def make(owned: list[int], cfg: SyncConfig) -> Peer:
+        rejects = RejectCounter()
+        dht = start_dht(first, LOOPBACK, **supported_kwargs(start_dht, run_id=RUN_ID, num_experts=MODEL.num_experts,
+                                                            record_ttl=cfg.record_ttl, rejects=rejects))
+        if not first:
+            first.extend(str(m) for m in dht.get_visible_maddrs())
+        swarm = Swarm(dht, RUN_ID, MODEL.num_experts, ttl=cfg.record_ttl)
+        model = SpesMoE(MODEL, owned_experts=owned, seed=0)
+        sync = SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts,
+                          **supported_kwargs(SparseSync, rejects=rejects, max_weight=_cap(_run_cfg(cfg))))
+        peer = Peer(model, swarm, sync)
+        peers.append(peer)
+        sync.join(step=0, tokens=0)
+        return peer
+
+    try:
+        yield make
+    finally:
+        for peer in peers:
+            try:
+                peer.sync.shutdown()
+            except Exception:
+                pass
+
+
+def _pair(honest, cfg) -> tuple[Peer, Peer]:
+    return honest([0, 1], cfg), honest([2], cfg)
+
+
+def _initial(peer: Peer) -> list[str]:
+    return peer.swarm.visible_maddrs()
+
+
+def _shared(peer: Peer) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for _, p in peer.model.shared_parameters()])
+
+
+def _expert(peer: Peer, expert: int) -> torch.Tensor:
+    return torch.cat([t.detach().float().flatten() for t in peer.model.expert_tensors(expert).values()])
+
+
+@torch.no_grad()
+def _train(peer: Peer, round_seed: int, peer_seed: int) -> None:
+    """What a few local steps do: a change common to all peers (the gradient signal) plus a smaller own part."""
+    common, own = torch.Generator().manual_seed(round_seed), torch.Generator().manual_seed(peer_seed)
+    params = [p for _, p in peer.model.shared_parameters()]
+    for e in sorted(peer.model.owned_experts):
+        params += [getattr(bank.bank[e], name) for bank in peer.model.expert_banks()
+                   for name in ("gate_up_proj", "down_proj")]
+    for p in params:
+        p.add_(0.002 * torch.randn(p.shape, generator=common) + 0.0006 * torch.randn(p.shape, generator=own))
+
+
+def _round(peers: list[Peer], seed: int):
+    """Local training on every honest peer, then one round; returns (reports, the peers' shared value before
+    training, the honest mean of what they sent)."""
+    before = [_shared(p) for p in peers]
+    for i, peer in enumerate(peers):
+        _train(peer, seed, seed * 100 + i + 1)
+    sent = [_shared(p) for p in peers]
+    for peer in peers:
+        peer.sync.start_round(step=1, tokens=TOKENS, tokens_since_last=TOKENS)
+    reports = [peer.sync.finish_round(block=True) for peer in peers]
+    return reports, before, torch.stack(sent).mean(0)
+
+
+def _cos(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(x, y, dim=0)) if x.norm() > 0 and y.norm() > 0 else 0.0
+
+
+def _rejected(peers: list[Peer], reasons: set[str] | None = None) -> int:
+    return sum(n for p in peers for r, n in p.sync.rejects.counts().items() if reasons is None or r in reasons)
+
+
+def _assert_keep_averaging(reports) -> None:
+    assert all(r is not None for r in reports), reports
+    assert all(r.group_size >= 2 for r in reports), f"honest peers stopped averaging: {[r.group_size for r in reports]}"
+    assert all(r.round_id <= ROUNDS + 2 for r in reports), [r.round_id for r in reports]
+
+
+# With two honest peers the attacker is 1 of 3 in the group (issue 9's criterion is 1 of 4), so the bound is
+# what robust aggregation can promise there: the attacker never moves the result further from the honest mean
+# than one honest change (BOUND, in units of that change), and at least PROGRESS of the honest change (projected
+# on its direction) survives. Undefended, a x1e6 or NaN part breaks the first and stale weights the second.
+BOUND, PROGRESS = 1.0, 0.25
+
+
+@pytest.mark.parametrize("attack", ["nan", "scale", "stale", "signflip"])
+def test_shared_allreduce_attacker_moves_the_average_by_a_bounded_amount(honest, attack):
+    cfg = _sync_cfg()
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker(attack, _initial(a), _run_cfg(cfg), wait_peers=2)
+    try:
+        for r in range(ROUNDS):
+            reports, before, honest_mean = _round([a, b], seed=10 + r)
+            _assert_keep_averaging(reports)
+            for peer, start in zip((a, b), before):
+                now = _shared(peer)
+                assert bool(torch.isfinite(now).all()), f"round {r + 1}: non-finite shared tensors"
+                change = float((honest_mean - start).norm())
+                moved = float((now - honest_mean).norm())
+                assert moved < BOUND * change, \
+                    f"round {r + 1}: the attacker moved the average by {moved:.4g} (> {BOUND} x {change:.4g})"
+                direction = (honest_mean - start) / max(change, 1e-12)
+                kept = float((now - start) @ direction) / max(change, 1e-12)
+                assert kept >= PROGRESS, f"round {r + 1}: only {kept:.2f} of the honest change survived"
+        assert attacker.stats.allreduce_joined >= 1, "the attacker never got into a group: the test is vacuous"
+        if attack != "signflip":  # an in-bound update is bounded, not refused; the others are out of bounds
+            assert _rejected([a, b]) >= 1, "no refusal counted (issue 9: 'no refusal or warning anywhere')"
+    finally:
+        attacker.shutdown()
+
+
+def test_expert_attacker_does_not_take_over_an_honest_owners_expert(honest):
+    cfg = _sync_cfg()
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("expert", _initial(a), _run_cfg(cfg), wait_peers=2)
+    try:
+        assert attacker.stats.claimed == [0], attacker.stats
+        hostile = torch.cat([t.flatten() for t in attacker.served[0].values()])
+        for r in range(ROUNDS):
+            before = _expert(a, 0)
+            reports, _, _ = _round([a, b], seed=20 + r)
+            _assert_keep_averaging(reports)
+            for name, peer in (("owner", a), ("non-owner", b)):
+                cos = _cos(_expert(peer, 0), hostile)
+                assert cos < 0.5, f"round {r + 1}: the {name}'s expert 0 has cosine {cos:.4f} to the attacker's copy"
+            own = _cos(_expert(a, 0), before)
+            assert own > 0.95, f"round {r + 1}: the owner's expert 0 left its own value (cosine {own:.4f})"
+            same = _cos(_expert(b, 0), _expert(a, 0))
+            assert same > 0.99, f"round {r + 1}: the non-owner's expert 0 is not the owner's (cosine {same:.4f})"
+        assert attacker.stats.served_rounds >= 1
+        assert _rejected([a, b]) >= 1, "no refusal counted"
+    finally:
+        attacker.shutdown()
+
+
+def test_round_liar_does_not_move_the_round_counter(honest):
+    cfg = _sync_cfg()
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("round", _initial(a), _run_cfg(cfg), wait_peers=2)
+    try:
+        time.sleep(2.0)  # the lie is in the DHT (if any node accepted it)
+        for r in range(ROUNDS):
+            reports, _, _ = _round([a, b], seed=30 + r)
+            _assert_keep_averaging(reports)
+            assert not any(rep.redownloaded for rep in reports), f"round {r + 1}: re-downloaded on a liar's round"
+        assert a.sync.round_id <= ROUNDS + 1 and b.sync.round_id <= ROUNDS + 1, (a.sync.round_id, b.sync.round_id)
+        # ...and the honest peers still read each other's records
+        assert b.swarm.peer_id in a.swarm.peers() and a.swarm.peer_id in b.swarm.peers()
+    finally:
+        attacker.shutdown()
+
+
+def test_state_hijack_does_not_reach_the_honest_model(honest):
+    cfg = _sync_cfg()
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("state", _initial(a), _run_cfg(cfg), wait_peers=2)
+    try:
+        time.sleep(2.0)
+        norm0 = float(_shared(a).norm())
+        for r in range(ROUNDS):
+            reports, _, _ = _round([a, b], seed=40 + r)
+            _assert_keep_averaging(reports)
+            for peer in (a, b):
+                ratio = float(_shared(peer).norm()) / norm0
+                assert 0.5 < ratio < 2.0, f"round {r + 1}: shared norm x{ratio:.3g} after the state hijack"
+        assert a.sync.round_id <= ROUNDS + 1 and b.sync.round_id <= ROUNDS + 1, (a.sync.round_id, b.sync.round_id)
+    finally:
+        attacker.shutdown()
+
+
+def test_forged_tombstone_under_an_honest_subkey_is_ignored(honest):
+    cfg = _sync_cfg()
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("tombstone", _initial(a), _run_cfg(cfg), wait_peers=2)
+    try:
+        assert len(attacker.stats.targets) >= 2, attacker.stats
+        time.sleep(cfg.record_ttl / 3 + 1.0)  # a heartbeat of each honest peer has run since
+        assert b.swarm.peer_id in a.swarm.peers() and a.swarm.peer_id in b.swarm.peers(), \
+            "a forged tombstone hides an honest peer's record"
+        for r in range(2):
+            reports, _, _ = _round([a, b], seed=50 + r)
+            _assert_keep_averaging(reports)
+        assert _rejected([a, b], {"record"}) >= 1, "the forged store was not counted as a refused record"
+    finally:
+        attacker.shutdown()
+
+
+def test_silent_owner_costs_one_timeout_at_most(honest):
+    cfg = _sync_cfg(round_timeout=8.0)
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("silent", _initial(a), _run_cfg(cfg), wait_peers=2)
+    try:
+        time.sleep(1.0)
+        seconds, missing = [], []
+        for r in range(ROUNDS):
+            start = time.monotonic()
+            reports, _, _ = _round([a, b], seed=60 + r)
+            seconds.append(time.monotonic() - start)
+            _assert_keep_averaging(reports)
+            missing += [3 in rep.experts_missing for rep in reports]
+        assert attacker.stats.claimed == [3] and any(missing), "nobody asked the silent owner: the test is vacuous"
+        assert all(s < cfg.round_timeout / 2 + cfg.matchmaking_time for s in seconds[1:]), \
+            f"rounds after the first still wait on the silent owner: {[round(s, 1) for s in seconds]}"
+    finally:
+        attacker.shutdown()
+
+
+@pytest.mark.slow
+def test_byzantine_bench_smoke(tmp_path):
+    """One attack arm at the quick scale (no baseline arm, to stay under a minute): the bench runs real
+    `peer.run` processes and an attacker process, leaves nothing running and writes its table."""
+    out, work = tmp_path / "results", tmp_path / "work"
+    proc = subprocess.run([sys.executable, "-m", "bench.byzantine", "--quick", "--attacks", "scale", "--baselines", "",
+                           "--out", str(out), "--work-dir", str(work)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    [arm] = results["arms"]
+    assert arm["arm"] == "scale" and arm["honest"] == 3 and len(arm["rcs"]) == 3, arm
+    assert arm["attacker_rc"] == 0, arm  # the attacker left cleanly on SIGTERM
+    assert arm["attacker"]["allreduce_joined"] >= 1, arm["attacker"]
+    assert all(p["step"] > 0 for p in arm["peers"]), arm["peers"]
+    assert "| scale" in (out / "table.md").read_text() and "| scale" in proc.stdout
