@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="libp2p circuit relay: reach peers behind NAT through relays (hivemind's use_relay)")
     p.add_argument("--use-auto-relay", action="store_true",
                    help="look for libp2p relays to become reachable when behind NAT (hivemind's use_auto_relay)")
+    p.add_argument("--force-reachability", choices=("public", "private", "auto"), default="public",
+                   help="what libp2p assumes about this node's reachability (default: public — a bootstrap node runs "
+                        "on a public host, and only a node that deems itself public serves as a full circuit relay "
+                        "for peers behind NAT; AutoNAT may take minutes to decide, or never on a private network). "
+                        "auto: let AutoNAT decide")
     p.add_argument("--run-id", default="spes-demo", metavar="ID",
                    help="run whose DHT records to read (default: spes-demo, as configs/small.yaml)")
     p.add_argument("--num-experts", type=_count, default=8, metavar="N",
@@ -130,13 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         node = BootstrapNode(args.run_id, args.num_experts, host_maddrs, args.announce_maddrs, args.identity_path,
                              args.initial_peers, args.metrics_port, organizer_key=args.organizer_key,
                              record_ttl=args.record_ttl,
-                             use_relay=args.use_relay, use_auto_relay=args.use_auto_relay)
+                             use_relay=args.use_relay, use_auto_relay=args.use_auto_relay,
+                             **({} if args.force_reachability == "auto" else
+                                {"force_reachability": args.force_reachability}))
     except BootstrapError as e:
         logger.error(f"error: {e}")
         return 2
     try:
         for maddr in node.visible_maddrs():
             logger.info(f"initial peer: {maddr}")
+        if args.use_relay and args.force_reachability == "public":
+            logger.info("relay: serving as a libp2p circuit relay for peers behind NAT (--force-reachability public)")
         if args.metrics_port:
             logger.info(f"serving swarm metrics on port {args.metrics_port}")
         if node.admission is not None:

@@ -108,6 +108,18 @@ class AdmissionConfig:
 
 
 @dataclass
+class NetworkConfig:
+    """How this peer takes part when it cannot accept connections (SPEC §3a; sync/reach.py). Both off: a public
+    peer that others dial directly."""
+
+    use_auto_relay: bool = False
+    """Behind NAT: reserve a slot on the initial peers as libp2p circuit relays, so that every peer can reach
+    this one by its peer ID; bulk data goes over connections this peer opens itself (--use-auto-relay)."""
+    client_mode: bool = False
+    """Behind NAT: run the DHT and the averagers as hivemind clients, which only make requests (--client-mode)."""
+
+
+@dataclass
 class RunConfig:
     """Everything one peer needs; the YAML file mirrors this structure (SPEC §3b)."""
 
@@ -119,6 +131,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def validate(self) -> None:
         if not self.run_id or any(c in self.run_id for c in " ./\\"):

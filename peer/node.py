@@ -20,6 +20,7 @@ from peer.metrics import PeerMetrics
 from peer.train import Trainer
 from sync.merge import merge_alpha
 from sync.rounds import RoundReport, SparseSync
+from sync.reach import NetworkMode, PeerDialer, reachability_line
 from sync.swarm import Swarm, start_dht
 from sync.validate import RejectCounter
 
@@ -53,6 +54,7 @@ class PeerNode:
         self.cfg = cfg
         self.metrics = metrics
         self.swarm: Swarm | None = None
+        self.dialer: PeerDialer | None = None
         self.sync: SparseSync | None = None
         self.blocked_seconds = 0.0
         self._started = time.perf_counter()
@@ -63,14 +65,27 @@ class PeerNode:
         self.admission = None
         if cfg.sync.every > 0:
             self.admission = _load_admission(cfg, identity_path)
+            mode = NetworkMode(cfg.network.use_auto_relay, cfg.network.client_mode)
             dht = start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=cfg.run_id,
                             num_experts=cfg.model.num_experts, record_ttl=cfg.sync.record_ttl,
-                            admission=self.admission, rejects=self.rejects)
+                            admission=self.admission, rejects=self.rejects, use_auto_relay=mode.use_auto_relay,
+                            client_mode=mode.client_mode)
             ticket = getattr(self.admission, "own_ticket", None) or b""
             self.swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
                                admission=self.admission)
-            for maddr in self.swarm.visible_maddrs():
+            visible = self.swarm.visible_maddrs()
+            for maddr in visible:
                 logger.info(f"initial peer: {maddr}")
+            logger.info(reachability_line(mode, visible, relays=initial_peers))
+            if mode.behind_nat:
+                # Nobody can open a connection to this peer except through a (limited) relay: it opens one to
+                # every peer of the run itself, before joining and then continuously (docs/DESIGN.md).
+                swarm = self.swarm
+                self.dialer = PeerDialer(dht, lambda: swarm.peers().keys(), interval=cfg.sync.record_ttl / 3)
+                try:
+                    logger.info(f"opened connections to {self.dialer.dial_now()} peer(s) of the run")
+                except Exception as e:  # its thread retries after join; a failed first pass is not fatal
+                    logger.warning(f"could not dial the run's peers: {e}")
             # Each peer reads its own order of the data; the model init (train.seed) stays the same everywhere.
             digest = hashlib.sha256(f"{cfg.train.seed}:{self.swarm.peer_id}".encode()).digest()
             data_seed = int.from_bytes(digest[:4], "little")
@@ -87,6 +102,8 @@ class PeerNode:
                                        set_owned=self.trainer.set_owned_experts, rejects=self.rejects,
                                        max_weight=round_token_cap(cfg), gate=gate)
                 self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens) or self.trainer.rounds
+                if self.dialer is not None:
+                    self.dialer.start()
                 want = cfg.sync.wait_for_peers
                 if want > 1:
                     seen = self.sync.wait_for_peers(want, cfg.sync.round_timeout)
@@ -131,6 +148,8 @@ class PeerNode:
         self.sync.step_done()  # this step's loss was finite: the round applied before it is kept
         self._log_round(self.sync.finish_round(block=False), trainer)
         if trainer.step % self.cfg.sync.every == 0:
+            if self.dialer is not None:
+                self.dialer.poke()  # peers that joined since the last pass get a connection for this round
             since = trainer.tokens - self._tokens_at_round
             self._tokens_at_round = trainer.tokens
             self._log_round(self.sync.start_round(trainer.step, trainer.tokens, since), trainer)
@@ -185,6 +204,9 @@ class PeerNode:
         if self.swarm is None:
             return
         start = time.perf_counter()
+        if self.dialer is not None:
+            self.dialer.shutdown()  # it uses the DHT that is about to stop
+            self.dialer = None
         if self.sync is not None:
             self.sync.shutdown()
         else:

@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ticket", metavar="TICKET",
                    help="this peer's ticket for a closed run (python -m peer.admit sign): a file or its base64 text, "
                         "signed for the peer ID of --identity-path (config: admission.ticket)")
+    p.add_argument("--use-auto-relay", action="store_true", default=None,
+                   help="behind NAT without port forwarding: reserve a slot on the initial peers as libp2p relays so "
+                        "that every peer can reach this one by peer ID; tensors still go over connections this peer "
+                        "opens itself (config: network.use_auto_relay)")
+    p.add_argument("--client-mode", action="store_true", default=None,
+                   help="behind NAT without port forwarding: run the DHT and averagers as hivemind clients, which "
+                        "only make requests; experts are served over connections this peer opens to the run's "
+                        "peers (config: network.client_mode)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field by dotted path, e.g. --set model.d_model=512 (repeatable)")
     return p
@@ -74,6 +82,7 @@ def overrides_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
         "train.max_steps": args.max_steps, "train.device": args.device,
         "data.dataset": args.dataset, "data.tokenizer": args.tokenizer, "metrics.port": args.metrics_port,
         "admission.organizer_key": args.organizer_key, "admission.ticket": args.ticket,
+        "network.use_auto_relay": args.use_auto_relay, "network.client_mode": args.client_mode,
     }
     overrides: list[dict[str, Any]] = []
     for key, value in flat.items():
@@ -194,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             parse_expert_list(cfg.sync.experts, cfg.model.num_experts)
         if args.initial_peers and cfg.sync.every == 0:
             raise ConfigError("--initial-peers needs synchronization on (sync.every > 0)")
+        if cfg.network.use_auto_relay and not args.initial_peers:
+            raise ConfigError("--use-auto-relay needs --initial-peers (they are the relays)")
+        if cfg.network.client_mode and not args.initial_peers:
+            raise ConfigError("--client-mode needs --initial-peers (a client cannot start a swarm)")
         host_maddrs = args.host_maddrs or ("/ip4/0.0.0.0/tcp/0",)
         parse_maddrs("--initial-peers", args.initial_peers or ())
         parse_maddrs("--announce-maddrs", args.announce_maddrs or ())

@@ -206,13 +206,16 @@ class SharedAverager:
         # matchmaking window suffices for them and no target (their count changes as peers come and go).
         shared = params is None
         matchmaking = cfg.matchmaking_time if shared else min(cfg.matchmaking_time, 5.0)
+        # A peer behind NAT in client mode (sync.reach) averages as a hivemind client: it never leads a group,
+        # reduces a part or serves state, since nobody could open a connection to it for those.
+        client_mode = bool(swarm.dht.client_mode)
         self.averager = _CountingAverager(
             [p.detach().to("cpu", torch.float32).clone() for p in self.params], swarm.dht,
             prefix=prefix or f"{swarm.run_id}_shared", start=True, min_group_size=2,
             target_group_size=(cfg.target_group_size or None) if shared else None,
             min_matchmaking_time=matchmaking, request_timeout=min(3.0, matchmaking / 2),
             allreduce_timeout=cfg.round_timeout, next_chunk_timeout=min(10.0, cfg.round_timeout / 4),
-            compression=self.compression, allow_state_sharing=params is None,
+            compression=self.compression, allow_state_sharing=shared and not client_mode, client_mode=client_mode,
             state_compression=CountingCompression(NoCompression(), self.wire), wire=self.wire,
             gate=gate, rejects=rejects,
             policy=AggregationPolicy(cfg.aggregation, max_weight, cfg.clip_factor, rejects),

@@ -11,6 +11,7 @@ the max, so one liar cannot move it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -28,6 +29,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, ephemeral_identity, load_identity, peers_key, revoked_key
 from sync.records import RunRecordValidator
+from sync.reach import relay_client_options, static_relays_only
 
 logger = get_logger(__name__)
 
@@ -126,12 +128,22 @@ def busy_tcp_port(host_maddrs: Sequence[str | Multiaddr]) -> tuple[int, str] | N
 def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
               announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *, run_id: str | None = None,
               num_experts: int = 0, record_ttl: float = 30.0, admission: Any = None,
-              rejects: Any = None) -> hivemind.DHT:
+              rejects: Any = None, use_auto_relay: bool = False, client_mode: bool = False) -> hivemind.DHT:
     """Start a peer's DHT node (joining `initial_peers` if given) that signs its own record and validates the
-    run's records (sync.records); SwarmError with the daemon's reason on failure."""
+    run's records (sync.records); SwarmError with the daemon's reason on failure.
+
+    Behind NAT (sync.reach): `use_auto_relay` reserves slots on the initial peers as circuit relays and
+    announces `<initial peer>/p2p-circuit`; `client_mode` makes the DHT a hivemind client (it only makes
+    requests; the averagers built on it follow `dht.client_mode`)."""
+    options: dict[str, Any] = {}
+    if use_auto_relay:
+        options = relay_client_options(initial_peers, announce_maddrs)
+        announce_maddrs = options.pop("announce_maddrs")
+    if client_mode:
+        options["client_mode"] = True
     return start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=run_id,
                           num_experts=num_experts, record_ttl=record_ttl, admission=admission, rejects=rejects,
-                          sign=True)
+                          sign=True, **options)
 
 
 def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
@@ -167,7 +179,9 @@ def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str]
             kwargs["record_validators"] = [RunRecordValidator(
                 run_id, num_experts or 2**16, private_key=private_key, record_ttl=record_ttl,
                 admission=admission, rejects=rejects)]
-        return hivemind.DHT(**kwargs)
+        # With auto-relay, only the trusted relays are used (sync.reach.static_relays_only says why).
+        with static_relays_only() if kwargs.get("use_auto_relay") else contextlib.nullcontext():
+            return hivemind.DHT(**kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
         reason = " ".join(str(e).split()) or type(e).__name__
         if "bootstrap" in reason and initial_peers:

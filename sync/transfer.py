@@ -379,22 +379,28 @@ class ExpertExchange:
                 elif message.metadata:
                     raise MalformedResponse("metadata after the first message")
                 for part in message.tensors:
-                    received += len(part.buffer)
-                    self._count("received", len(part.buffer))
-                    if received > self.max_fetch_bytes:
-                        raise MalformedResponse(f"response exceeds {self.max_fetch_bytes} bytes")
-                    if part.dtype:  # hivemind's streaming marks the first part of each tensor by its dtype
-                        groups.append([part])
-                    elif groups:
-                        groups[-1].append(part)
-                    else:
-                        raise MalformedResponse("continuation part before any tensor header")
+                    received = self._collect(part, groups, received, "expert")
         finally:
             with suppress(Exception):
                 await stream.aclose()
         if meta is None:
             raise MalformedResponse("empty response stream")
         return meta, groups
+
+    def _collect(self, part: runtime_pb2.Tensor, groups: list[list[runtime_pb2.Tensor]], received: int,
+                 kind: str) -> int:
+        """Count one streamed part and file it under its tensor; returns the bytes received so far."""
+        received += len(part.buffer)
+        self._count("received", len(part.buffer), kind=kind)
+        if received > self.max_fetch_bytes:
+            raise MalformedResponse(f"response exceeds {self.max_fetch_bytes} bytes")
+        if part.dtype:  # hivemind's streaming marks the first part of each tensor by its dtype
+            groups.append([part])
+        elif groups:
+            groups[-1].append(part)
+        else:
+            raise MalformedResponse("continuation part before any tensor header")
+        return received
 
     async def _fetch_unbounded(self, peer: PeerID, uid: str, round_id: int) -> dict[str, torch.Tensor] | None:
         meta, groups = await self._request(peer, uid)
@@ -440,17 +446,7 @@ class ExpertExchange:
             received = 0
             try:
                 async for message in stream:
-                    part = message.tensor_part
-                    received += len(part.buffer)
-                    self._count("received", len(part.buffer), kind="shared")
-                    if received > self.max_fetch_bytes:
-                        raise MalformedResponse(f"state exceeds {self.max_fetch_bytes} bytes")
-                    if part.dtype:
-                        groups.append([part])
-                    elif groups:
-                        groups[-1].append(part)
-                    else:
-                        raise MalformedResponse("continuation part before any tensor header")
+                    received = self._collect(message.tensor_part, groups, received, "shared")
             finally:
                 with suppress(Exception):
                     await stream.aclose()
