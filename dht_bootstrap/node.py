@@ -172,8 +172,9 @@ class BootstrapNode:
                 raise BootstrapError(str(e)) from None
         # Like every node of the run, this one refuses unsigned, malformed or far-future records (sync.records);
         # record_ttl must be the run's sync.record_ttl, or the peers' records would look far-future here.
-        record_checks = {"run_id": run_id, "admission": self.admission, "num_experts": num_experts,
-                         "record_ttl": record_ttl}
+        # Expert indices are not range-checked here (num_experts 0): --num-experts only sizes the gauges, and a
+        # wrong value must not make this node refuse a bigger model's records (the peers check the range).
+        record_checks = {"run_id": run_id, "admission": self.admission, "num_experts": 0, "record_ttl": record_ttl}
         self.gauges = SwarmGauges(num_experts) if metrics_port else None
         if self.gauges is not None:  # before the DHT: a busy metrics port fails without starting p2pd
             self.gauges.serve(metrics_port)
