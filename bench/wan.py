@@ -1,0 +1,248 @@
+"""SPES rounds on rate-limited links and behind a home NAT (issue 13): round time vs the link's transfer time.
+
+    python -m bench.wan                          # all four arms (≈ 8.5 min on 2 CPU cores, needs root)
+    python -m bench.wan --arms spes --steps 20   # one arm, 2 rounds
+
+Every arm builds a fresh tests/netlab.py `NetLab` (network namespaces, `tc tbf` rate limits, an nftables home NAT),
+starts one `python -m dht_bootstrap` node (unlimited link; also the libp2p relay) and 4 `python -m peer.run`
+peers inside the namespaces, as tests/test_netns.py does, with `--set sync.wait_for_peers=4`, H = `--every`
+and `--steps` local steps. Arms:
+
+- `spes`: 4 public peers, each link 100 Mbit/s both ways; each peer owns a quarter of the experts
+  (0-1, 2-3, 4-5, 6-7 of 8); `sync.overlap=false`, so a round's wall time is all on the clock.
+- `diloco`: the same links, every peer owns every expert (`--experts all`); `sync.overlap=false`.
+- `mixed`: 3 public 100 Mbit/s peers + 1 home peer behind the NAT at 20 Mbit/s down / 5 Mbit/s up with
+  `--use-auto-relay`; SPES, `sync.overlap=false`.
+- `spes_overlap`: as `spes` with the default `sync.overlap=true` (rounds run behind training), for blocked share.
+
+Per peer per round: payload bytes sent / received (delta of the metrics.jsonl `bytes_sent` / `bytes_received`
+sums between the records where `rounds` advanced; `train.log_every=1`), the round's wall time and blocked time
+(the peer's "round N applied ... X.XXs (Y.YYs blocked)" log line), the ideal transfer time
+max(sent ÷ upload rate, received ÷ download rate) (= max(sent, received) ÷ link rate on a symmetric link), their
+ratio, and per peer the share of the run's wall time the training loop was blocked (the final "sync blocked the
+training loop X s of Y s" line). `--set KEY=VALUE` passes extra settings to every peer (e.g.
+sync.target_group_size=4); `--tables-only` re-prints --out/results.json. Results: markdown tables on stdout and in
+--out/{results.json,table.md}; progress on stderr. Run dirs and logs stay under --work-dir.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from bench.common import REPO_ROOT, format_table, get_logger, setup_logging
+
+logger = get_logger(__name__)
+
+RUN_ID = "wan"
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# configs/tiny.yaml raised until a SPES round moves ≈ 20-30 MB per peer (≈ 2 s at 100 Mbit/s); still cheap steps.
+SHAPE = {"model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 2, "model.num_experts": 8,
+         "model.expert_hidden": 512, "model.seq_len": 64, "train.batch_size": 2}
+PUBLIC_MBIT = 100.0
+HOME_DOWN_MBIT, HOME_UP_MBIT = 20.0, 5.0
+QUARTERS = ["0-1", "2-3", "4-5", "6-7"]
+ARMS: dict[str, dict[str, Any]] = {
+    "spes": {"experts": QUARTERS, "home": False, "overlap": False},
+    "diloco": {"experts": ["all"] * 4, "home": False, "overlap": False},
+    "mixed": {"experts": QUARTERS, "home": True, "overlap": False},
+    "spes_overlap": {"experts": QUARTERS, "home": False, "overlap": True},
+}
+ROUND_RE = re.compile(r"round (\d+) applied at step (\d+): shared group (\d+), experts synced (\d+), "
+                      r"missing (.*?), rejected .* ([\d.]+)s \(([\d.]+)s blocked\)$", re.M)
+BLOCKED_RE = re.compile(r"sync blocked the training loop ([\d.]+)s of ([\d.]+)s")
+MB = 1e6
+
+
+def _wait_log(proc, pattern: str, timeout: float) -> re.Match:
+    """Wait for `pattern` in a process's log file (peer.run / dht_bootstrap log to stderr)."""
+    rx = re.compile(pattern, re.M)
+    deadline = time.monotonic() + timeout
+    while True:
+        m = rx.search(proc.log_path.read_text(errors="replace"))
+        if m:
+            return m
+        if not proc.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"no {pattern!r} in {proc.argv[:4]} (rc={proc.popen.poll()}):\n{proc.log_tail(30)}")
+        time.sleep(0.3)
+
+
+def _metric_rounds(metrics_path: Path) -> dict[int, tuple[int, int]]:
+    """round id -> (payload bytes sent, received) during that round, from metrics.jsonl deltas."""
+    out: dict[int, tuple[int, int]] = {}
+    last_round, last_sent, last_recv = 0, 0, 0
+    if not metrics_path.exists():
+        return out
+    for line in metrics_path.read_text().splitlines():
+        rec = json.loads(line)
+        if "bytes_sent" not in rec:
+            continue
+        sent, recv = sum(rec["bytes_sent"].values()), sum(rec["bytes_received"].values())
+        if rec["rounds"] > last_round:
+            out[rec["rounds"]] = (sent - last_sent, recv - last_recv)
+            last_round, last_sent, last_recv = rec["rounds"], sent, recv
+    return out
+
+
+def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict[str, Any]:
+    log = proc.log_path.read_text(errors="replace")
+    by_round = _metric_rounds(run_dir / "metrics.jsonl")
+    up_bps, down_bps = up * 1e6 / 8, down * 1e6 / 8  # bytes/s
+    rounds = []
+    for m in ROUND_RE.finditer(log):
+        rid = int(m.group(1))
+        sent, recv = by_round.get(rid, (None, None))
+        seconds, blocked = float(m.group(6)), float(m.group(7))
+        # = max(sent, received) / rate on a symmetric link; per direction on an asymmetric one (the home peer)
+        ideal = max(sent / up_bps, recv / down_bps) if sent is not None else None
+        rounds.append({"round": rid, "step": int(m.group(2)), "group": int(m.group(3)),
+                       "experts_synced": int(m.group(4)), "missing": m.group(5), "sent": sent, "received": recv,
+                       "seconds": seconds, "blocked_s": blocked, "ideal_s": ideal,
+                       "ratio": seconds / ideal if ideal else None})
+    bm = BLOCKED_RE.search(log)
+    blocked, wall = (float(bm.group(1)), float(bm.group(2))) if bm else (None, None)
+    return {"peer": name, "up_mbit": up, "down_mbit": down, "rc": proc.popen.poll(), "rounds": rounds,
+            "blocked_s": blocked, "wall_s": wall, "blocked_share": blocked / wall if bm else None}
+
+
+def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
+            extra_sets: Optional[list[str]] = None) -> dict[str, Any]:
+    """One arm in a fresh NetLab; returns its per-peer results (everything is torn down afterwards)."""
+    from tests.netlab import NetLab
+
+    spec = ARMS[arm]
+    t0 = time.monotonic()
+    with NetLab(workdir=work / arm) as lab:
+        boot_node = lab.add_public("boot")
+        links: dict[str, tuple[float, float]] = {}
+        for i in range(4):
+            name = f"p{i}"
+            if spec["home"] and i == 3:
+                name = "home"
+                lab.add_home(name, up_mbit=HOME_UP_MBIT, down_mbit=HOME_DOWN_MBIT)
+                links[name] = (HOME_UP_MBIT, HOME_DOWN_MBIT)
+            else:
+                lab.add_public(name, up_mbit=PUBLIC_MBIT)
+                links[name] = (PUBLIC_MBIT, PUBLIC_MBIT)
+        boot = lab.python(boot_node, "-m", "dht_bootstrap", "--host-maddrs", f"/ip4/{boot_node.ip}/tcp/31337",
+                          "--run-id", RUN_ID, "--num-experts", str(SHAPE["model.num_experts"]),
+                          "--status-every", "30", name="boot")
+        initial = _wait_log(boot, r"initial peer: (\S+)", 60).group(1)
+        sets = [f"{k}={v}" for k, v in SHAPE.items()] + [
+            "sync.wait_for_peers=4", f"sync.overlap={'true' if spec['overlap'] else 'false'}",
+            "train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1",
+            "train.warmup_steps=2", *(extra_sets or [])]
+        procs = {}
+        env = {**os.environ, **THREADS}
+        for (name, _), experts in zip(links.items(), spec["experts"]):
+            ip = lab.nodes[name].ip
+            argv = ["-m", "peer.run", "--config", "configs/tiny.yaml", "--run-id", RUN_ID,
+                    "--run-dir", str(lab.workdir / f"run-{name}"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
+                    "--initial-peers", initial, "--experts", experts, "--max-steps", str(steps),
+                    "--sync-every", str(every)]
+            for s in sets:
+                argv += ["--set", s]
+            if name == "home":
+                argv.append("--use-auto-relay")
+            procs[name] = lab.python(name, *argv, name=f"peer-{name}", env=env)
+        deadline = time.monotonic() + timeout
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:
+                logger.warning(f"{arm}: peer {name} still running after {timeout:.0f}s; killing it\n"
+                               f"{proc.log_tail(15)}")
+        peers = [_peer_result(name, proc, lab.workdir / f"run-{name}", *links[name])
+                 for name, proc in procs.items()]
+        for p, (name, proc) in zip(peers, procs.items()):
+            if p["rc"] != 0:
+                logger.warning(f"{arm}: peer {name} rc={p['rc']}:\n{proc.log_tail(20)}")
+    return {"arm": arm, **spec, "steps": steps, "every": every, "sets": extra_sets or [],
+            "seconds": time.monotonic() - t0, "peers": peers}
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def tables(results: list[dict[str, Any]]) -> str:
+    rows, summary = [], []
+    for r in results:
+        label = " ".join([r["arm"], *r.get("sets", [])])
+        for p in r["peers"]:
+            link = f"{p['down_mbit']:g}↓/{p['up_mbit']:g}↑"
+            for rd in p["rounds"]:
+                rows.append([label, p["peer"], link, rd["round"], rd["group"], rd["experts_synced"],
+                             _fmt(rd["sent"] and rd["sent"] / MB, ".2f"),
+                             _fmt(rd["received"] and rd["received"] / MB, ".2f"), f"{rd['seconds']:.2f}",
+                             _fmt(rd["ideal_s"], ".2f"), _fmt(rd["ratio"], ".2f"), f"{rd['blocked_s']:.2f}"])
+            # overlap: the last round is drained (fully blocked) after the last step; its share without it
+            drain = (100 * (p["blocked_s"] - p["rounds"][-1]["blocked_s"]) / p["wall_s"]
+                     if r["overlap"] and p["rounds"] and p["wall_s"] else None)
+            ratios = [rd["ratio"] for rd in p["rounds"][1:] if rd["ratio"] is not None]  # round 1: joins, skew
+            summary.append([label, p["peer"], link, len(p["rounds"]),
+                            sum(rd["group"] == 4 for rd in p["rounds"]),
+                            _fmt(statistics.median(ratios) if ratios else None, ".2f"),
+                            _fmt(p["blocked_s"], ".2f"), _fmt(p["wall_s"], ".1f"),
+                            _fmt(p["blocked_share"] and 100 * p["blocked_share"], ".1f"), _fmt(drain, ".1f")])
+    head = ["arm", "peer", "link Mbit/s", "round", "group", "experts synced", "sent MB", "recv MB", "round s",
+            "ideal s", "ratio", "blocked s"]
+    shead = ["arm", "peer", "link Mbit/s", "rounds", "rounds in group of 4", "median ratio (rounds 2+)", "blocked s",
+             "wall s", "blocked %", "blocked % w/o final drain"]
+    r0 = results[0] if results else {"steps": "?", "every": "?"}
+    shape = ", ".join(f"{k.split('.')[1]} {v}" for k, v in SHAPE.items())
+    return (f"bench.wan: 4 peers, H = {r0['every']}, {r0['steps']} steps; shape tiny.yaml with {shape}\n\n"
+            f"Per peer per round:\n\n{format_table(head, rows)}\n\nPer peer:\n\n{format_table(shead, summary)}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.wan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--steps", type=int, default=40, help="local steps per peer")
+    p.add_argument("--every", type=int, default=10, help="H: local steps between rounds")
+    p.add_argument("--arm-timeout", type=float, default=240.0, help="seconds before an arm's peers are killed")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                   help="extra peer.run --set for every peer of every arm (e.g. sync.target_group_size=4)")
+    p.add_argument("--tables-only", action="store_true", help="re-print the tables of --out/results.json")
+    p.add_argument("--out", default="bench/results/wan", help="where results.json and table.md go")
+    p.add_argument("--work-dir", default="bench/out/wan", help="arm logs and run dirs")
+    args = p.parse_args(argv)
+    setup_logging()
+    out, work = Path(args.out), Path(args.work_dir).resolve()
+    if args.tables_only:
+        text = tables(json.loads((out / "results.json").read_text())["arms"])
+        (out / "table.md").write_text(text)
+        print(text)
+        return 0
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.netlab import netlab_unavailable
+
+    reason = netlab_unavailable()
+    if reason:
+        logger.error(f"bench.wan needs the network lab: {reason}")
+        return 2
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        p.error(f"unknown arms {sorted(unknown)}")
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for arm in arms:
+        logger.info(f"arm {arm}: starting")
+        results.append(run_arm(arm, args.steps, args.every, args.arm_timeout, work, args.sets))
+        logger.info(f"arm {arm}: done in {results[-1]['seconds']:.0f}s")
+        (out / "results.json").write_text(json.dumps({"shape": SHAPE, "arms": results}, indent=1))
+    text = tables(results)
+    (out / "table.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
