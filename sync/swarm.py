@@ -235,7 +235,10 @@ class Swarm:
             for name, value in changes.items():
                 setattr(self.record, name, sorted(value) if name == "experts" else value)
             value = self.record.to_value()
-        self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=get_dht_time() + self.ttl)
+        try:
+            self._store(value, get_dht_time() + self.ttl)
+        except TimeoutError:  # the heartbeat stores it again within ttl / 3
+            logger.warning("storing this peer's record timed out; the heartbeat retries")
 
     def withdraw(self) -> None:
         """Remove this peer's record now (a clean leave: others adopt its experts without waiting for expiry)."""
@@ -244,8 +247,14 @@ class Swarm:
         with self._lock:
             self.record.experts = []
             value = self.record.to_value()
-        self.dht.store(self.key, subkey=self.peer_id, value=value,
-                       expiration_time=get_dht_time() + self.ttl + 1.0)
+        self._store(value, get_dht_time() + self.ttl + 1.0)
+
+    def _store(self, value: dict[str, Any], expiration: float, timeout: float = 15.0) -> bool:
+        """Store this peer's record, bounded: a DHT process that died or hangs must not hang the heartbeat or
+        the shutdown (seen once in CI: a withdrawal waited forever on a store whose future never resolved)."""
+        future = self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=expiration,
+                                return_future=True)
+        return bool(future.result(timeout=timeout))
 
     def peers(self) -> dict[str, PeerRecord]:
         """Live peers' records (ours included once published)."""
