@@ -116,6 +116,7 @@ class PeerNode:
                 self.trainer.step_hooks.append(self._maybe_sync)
                 self.trainer.nonfinite_hooks.append(self._rollback)
                 self.trainer.end_hooks.append(self._finish)
+                self.trainer.stop_hooks.append(self.sync.leave_soon)
                 self.trainer.record_fields.append(self._sync_fields)
             if self.metrics is not None:
                 # After the sync hook, so a round applied at this step is already counted.

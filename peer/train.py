@@ -96,6 +96,8 @@ class Trainer:
         # Called when a step's loss is not finite, before anything is updated; a hook returning True has
         # restored a good state (the swarm rolled back a round it had just applied), and training goes on.
         self.nonfinite_hooks: list[Callable[["Trainer", float], bool]] = []
+        # Called when a stop is requested, possibly from a signal handler: they may only set flags.
+        self.stop_hooks: list[Callable[[], None]] = []
         # Log lines say which run and which peer they come from; PeerNode sets its short peer ID.
         self.log_prefix = f"{cfg.run_id} solo"
         self.last_loss: float | None = None  # cross-entropy of the latest step (for metrics)
@@ -148,7 +150,10 @@ class Trainer:
         sync_optimizer_params(self.optimizer, self.model)
 
     def request_stop(self) -> None:
+        """Stop after the current step (may run inside a signal handler: hooks only set flags)."""
         self._stop = True
+        for hook in self.stop_hooks:
+            hook()
 
     # ---- steps ------------------------------------------------------------------------------------------
 

@@ -118,6 +118,7 @@ class SparseSync:
         self._reset_expert_references()
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
         self._pending: _Pending | None = None
+        self._leaving = False  # set by leave_soon(): no new round, the pending one stops looking for a group
         # Experts seen with an owner: only these are adopted when orphaned (see Swarm.orphans_to_adopt).
         self._seen_owned: set[int] = set(model.owned_experts)
         # Replicas: peers owning exactly the same experts all-reduce them with a second averager (the DiLoCo
@@ -212,6 +213,8 @@ class SparseSync:
         """Snapshot and publish, then run the network part in the background. If the previous round is still
         running it is finished first (blocking) and its report returned."""
         previous = self.finish_round(block=True) if self._pending is not None else None
+        if self._leaving:
+            return previous
         started = time.perf_counter()
         self.round_id += 1
         report = RoundReport(self.round_id)
@@ -250,7 +253,7 @@ class SparseSync:
         # Read the records after the all-reduce: by then every peer of the group has published this round.
         records = self.swarm.peers()
         others = self._others(records)
-        if not others or not average:
+        if not others or not average or self._leaving:
             return records, {}
         want = set(range(self.model.cfg.num_experts))
         if expert_avg is not None and any(set(r.experts) == set(own) for r in others.values()):
@@ -317,8 +320,7 @@ class SparseSync:
             return None
         wait_start = time.perf_counter()
         try:
-            # Every network wait inside is bounded; this bound is a last resort against a wedged round.
-            records, means = pending.future.result(timeout=4 * self.cfg.round_timeout + 30)
+            records, means = self._wait(pending.future)
         except Exception as e:  # never let a network failure kill training: the round is just lost
             logger.warning(f"round {pending.report.round_id} failed: {type(e).__name__}: {e}")
             records, means = {}, {}
@@ -350,6 +352,30 @@ class SparseSync:
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
         return report
+
+    def _wait(self, future: concurrent.futures.Future) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+        """The network part's result. Every network wait inside is bounded; the overall bound is a last resort
+        against a wedged round. Polled so that a stop requested meanwhile (leave_soon) cancels matchmaking
+        from this thread rather than from a signal handler."""
+        deadline = time.monotonic() + 4 * self.cfg.round_timeout + 30
+        cancelled = False
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            if self._leaving and not cancelled:
+                cancelled = True
+                averagers = [self.shared] + ([self._expert_avg] if self._expert_avg is not None else [])
+                if any([avg.cancel_matchmaking() for avg in averagers]):
+                    logger.info("leaving: stopped looking for an averaging group for this round")
+
+    def leave_soon(self) -> None:
+        """The peer is stopping (safe to call from a signal handler: it only sets a flag). The pending round
+        stops looking for a group, and no round starts after it: a leaving peer must not wait the whole round
+        timeout for partners that may be leaving too."""
+        self._leaving = True
 
     def _track_alone(self, report: RoundReport) -> None:
         """A warning (and spes_sync_alone_rounds) when this peer keeps averaging with nobody while others exist:

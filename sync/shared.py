@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.compression import SizeAdaptiveCompression, Uniform8BitQuantization
 from hivemind.averaging.partition import AllreduceException
@@ -223,6 +224,7 @@ class SharedAverager:
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)
         self.snapshot: list[torch.Tensor] | None = None
+        self._control = None  # the running (or last) averaging step, for cancel_matchmaking
         # The last synchronized value of each tensor: a received result is judged by its change from the snapshot
         # against this peer's own change since then (check_result), as issue 9 asks.
         self.synced = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
@@ -261,7 +263,7 @@ class SharedAverager:
         """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed."""
         control = None
         try:
-            control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
+            control = self._control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
             # Bounded even if the averager process itself dies (its future would never resolve otherwise).
             gathered = control.result(timeout=timeout + self.cfg.round_timeout)
         except Exception as e:  # a peer died mid-round, matchmaking timed out, ...: keep local values
@@ -270,6 +272,19 @@ class SharedAverager:
                 control.cancel()
             return 0
         return len(gathered) if gathered else 0
+
+    def cancel_matchmaking(self) -> bool:
+        """Give up the running step if it is still looking for a group (a leaving peer: its partners may be
+        leaving too, and hivemind would retry matchmaking until the round timeout). An all-reduce that already
+        runs is left to finish: cancelling it would fail the round for the whole group."""
+        control = self._control
+        if control is None or control.done():
+            return False
+        if control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP,
+                                 AveragingStage.AWAITING_TRIGGER):
+            return False
+        control.cancel()
+        return True
 
     def check_result(self, averaged: list[torch.Tensor], tokens: float) -> list[bool]:
         """Which tensors of an all-reduce result to accept (training thread, before apply).

@@ -175,6 +175,21 @@ def test_peer_killed_mid_round_does_not_stall_the_others(swarm_factory):
     assert all(r.group_size == 2 for r in reports), reports
 
 
+def test_leaving_peer_does_not_wait_the_round_timeout_for_a_partner_that_left(swarm_factory):
+    cfg = _sync_cfg(round_timeout=40.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b])
+    a.sync.start_round(step=2, tokens=200, tokens_since_last=100)  # b never starts this round: it is leaving
+    time.sleep(cfg.matchmaking_time + 1.0)  # a's first matchmaking attempt failed: hivemind retries until timeout
+    a.sync.leave_soon()  # what a SIGTERM does (Trainer.request_stop -> stop hooks)
+    start = time.monotonic()
+    report = a.sync.finish_round(block=True)
+    assert time.monotonic() - start < 10, "the leaving peer waited for the round timeout"
+    assert report is not None and report.group_size == 1
+    assert a.sync.start_round(step=3, tokens=300, tokens_since_last=100) is None  # no round after leave_soon
+    assert a.sync.finish_round(block=True) is None
+
+
 def test_dead_peer_does_not_block_and_its_experts_are_adopted(swarm_factory):
     cfg = _sync_cfg(record_ttl=3.0)
     a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
