@@ -60,19 +60,6 @@ BLOCKED_RE = re.compile(r"sync blocked the training loop ([\d.]+)s of ([\d.]+)s"
 MB = 1e6
 
 
-def _wait_log(proc, pattern: str, timeout: float) -> re.Match:
-    """Wait for `pattern` in a process's log file (peer.run / dht_bootstrap log to stderr)."""
-    rx = re.compile(pattern, re.M)
-    deadline = time.monotonic() + timeout
-    while True:
-        m = rx.search(proc.log_path.read_text(errors="replace"))
-        if m:
-            return m
-        if not proc.alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"no {pattern!r} in {proc.argv[:4]} (rc={proc.popen.poll()}):\n{proc.log_tail(30)}")
-        time.sleep(0.3)
-
-
 def _metric_rounds(metrics_path: Path) -> dict[int, tuple[int, int]]:
     """round id -> (payload bytes sent, received) during that round, from metrics.jsonl deltas."""
     out: dict[int, tuple[int, int]] = {}
@@ -133,7 +120,7 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
         boot = lab.python(boot_node, "-m", "dht_bootstrap", "--host-maddrs", f"/ip4/{boot_node.ip}/tcp/31337",
                           "--run-id", RUN_ID, "--num-experts", str(SHAPE["model.num_experts"]),
                           "--status-every", "30", name="boot")
-        initial = _wait_log(boot, r"initial peer: (\S+)", 60).group(1)
+        initial = boot.wait_log(r"initial peer: (\S+)", 60).group(1)
         sets = [f"{k}={v}" for k, v in SHAPE.items()] + [
             "sync.wait_for_peers=4", f"sync.overlap={'true' if spec['overlap'] else 'false'}",
             "train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1",

@@ -6,7 +6,6 @@ raised as BootstrapError with a message that names the cause, checked before any
 """
 from __future__ import annotations
 
-import asyncio
 import errno
 import functools
 import inspect
@@ -18,21 +17,20 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import hivemind
-from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from sync.admission import Admission, AdmissionError, load_organizer_public_key
+from sync.reach import dht_neighbours, ping_maddrs
 from sync.swarm import PeerRecord, Swarm, SwarmError, busy_tcp_port, start_dht_node
 
 logger = get_logger(__name__)
 
 # Swarm gauges are refreshed at least this often, however long --status-every is.
 REFRESH_SECONDS = 3.0
-# Addresses of known DHT nodes kept across restarts (see BootstrapNode.reconnect), how long to try each.
+# Addresses of known DHT nodes kept across restarts (see BootstrapNode.reconnect).
 MAX_REMEMBERED = 64
-RECONNECT_TIMEOUT = 5.0
 
 
 class BootstrapError(ValueError):
@@ -116,11 +114,6 @@ class SwarmGauges:
             self._server = None
 
 
-async def _other_dht_nodes(_dht: hivemind.DHT, node: Any) -> int:
-    # Runs inside the DHT process (module-level so that it pickles); the routing table excludes the node itself.
-    return len(node.protocol.routing_table.uid_to_peer_id)
-
-
 async def _known_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
     # Full multiaddrs of the DHT nodes in the routing table; libp2p dials out from its listen port (reuseport),
     # so a connection's remote address is normally the address that peer listens on.
@@ -128,26 +121,6 @@ async def _known_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
     peers = await node.protocol.p2p.list_peers()
     return sorted(f"{addr}/p2p/{info.peer_id}" for info in peers if str(info.peer_id) in in_table
                   for addr in info.addrs)[: MAX_REMEMBERED]
-
-
-async def _ping_peers(maddrs: list[str], _dht: hivemind.DHT, node: Any) -> int:
-    # A ping puts this node back into each peer's routing table (and the peer into ours). The connect goes
-    # through the daemon client because hivemind has no public "dial this address" call.
-    by_peer: dict[str, list[Multiaddr]] = {}
-    for text in maddrs:
-        maddr = Multiaddr(text)
-        peer_id = maddr.value_for_protocol("p2p")
-        by_peer.setdefault(peer_id, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{peer_id}")))
-
-    async def ping(peer_id: str, addrs: list[Multiaddr]) -> bool:
-        try:
-            peer = PeerID.from_base58(peer_id)
-            await asyncio.wait_for(node.protocol.p2p._client.connect(peer, addrs), RECONNECT_TIMEOUT)
-            return await asyncio.wait_for(node.protocol.call_ping(peer), RECONNECT_TIMEOUT) is not None
-        except Exception:  # gone, moved, or another peer on that address now: nothing to reconnect
-            return False
-
-    return sum(await asyncio.gather(*(ping(p, a) for p, a in by_peer.items())))
 
 
 class BootstrapNode:
@@ -210,7 +183,7 @@ class BootstrapNode:
             maddrs = [line.strip() for line in self.peers_path.read_text().splitlines() if line.strip()]
             check_maddrs(maddrs, str(self.peers_path))
             self._remembered = maddrs
-            found = self.dht.run_coroutine(functools.partial(_ping_peers, maddrs))
+            found = self.dht.run_coroutine(functools.partial(ping_maddrs, maddrs))
         except Exception as e:  # a damaged or stale file only costs the reconnect, never the start
             logger.warning(f"could not reconnect to the peers in {self.peers_path}: {e}")
             return
@@ -237,7 +210,7 @@ class BootstrapNode:
 
     def status_line(self) -> str:
         try:
-            nodes: int | None = self.dht.run_coroutine(_other_dht_nodes)
+            nodes: int | None = self.dht.run_coroutine(dht_neighbours)
         except Exception:  # the count is a nicety; the line is still worth logging without it
             nodes = None
         return self.status.line(self.run_id, self.short_id, nodes)

@@ -58,7 +58,7 @@ class PeerNode:
         self.sync: SparseSync | None = None
         self.blocked_seconds = 0.0
         self._started = time.perf_counter()
-        self._tokens_at_round = 0
+        self._tokens_at_round, self._step_at_round = 0, 0
         data_seed = None
         # Shared memory, created before the DHT and averager processes fork: they count refusals into it too.
         self.rejects = RejectCounter()
@@ -72,7 +72,7 @@ class PeerNode:
                             client_mode=mode.client_mode)
             ticket = getattr(self.admission, "own_ticket", None) or b""
             self.swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
-                               admission=self.admission)
+                               admission=self.admission, initial_peers=initial_peers)
             visible = self.swarm.visible_maddrs()
             for maddr in visible:
                 logger.info(f"initial peer: {maddr}")
@@ -112,7 +112,7 @@ class PeerNode:
                                        f"{cfg.sync.round_timeout:.0f}s: starting anyway")
                     else:
                         logger.info(f"[{self.trainer.log_prefix}] {seen} peers in the run: starting")
-                self._tokens_at_round = self.trainer.tokens
+                self._tokens_at_round, self._step_at_round = self.trainer.tokens, self.trainer.step
                 self.trainer.step_hooks.append(self._maybe_sync)
                 self.trainer.nonfinite_hooks.append(self._rollback)
                 self.trainer.end_hooks.append(self._finish)
@@ -148,7 +148,8 @@ class PeerNode:
         start = time.perf_counter()
         self.sync.step_done()  # this step's loss was finite: the round applied before it is kept
         self._log_round(self.sync.finish_round(block=False), trainer)
-        if trainer.step % self.cfg.sync.every == 0:
+        if self.sync.round_due(trainer.step - self._step_at_round):
+            self._step_at_round = trainer.step
             if self.dialer is not None:
                 self.dialer.poke()  # peers that joined since the last pass get a connection for this round
             since = trainer.tokens - self._tokens_at_round
@@ -191,7 +192,8 @@ class PeerNode:
         logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} applied at step {trainer.step}: "
                     f"shared group {report.group_size}, experts synced {len(report.experts_synced)}, "
                     f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "
-                    f"adopted {report.adopted or 'none'}{', re-downloaded' if report.redownloaded else ''}"
+                    f"adopted {report.adopted or 'none'}{f', gave back {report.given_back}' if report.given_back else ''}"
+                    f"{', re-downloaded' if report.redownloaded else ''}"
                     f"{f', merged (alpha {report.merge_alpha:.4f})' if report.merge_alpha else ''}, "
                     f"{report.seconds:.2f}s ({report.blocked_seconds:.2f}s blocked)")
 

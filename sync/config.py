@@ -42,6 +42,10 @@ class SyncConfig:
     # Before the first step, wait until this many peers (this one included) have records in the run, at most
     # round_timeout seconds (0 = start at once). For organized starts: no peer runs its first rounds alone.
     wait_for_peers: int = 0
+    # Start a round before `every` local steps when the other live peers' median round is already past this
+    # peer's (it is slower than they are): it joins their round with the tokens it trained, weighted by them,
+    # instead of holding their group up or averaging alone later (sync.progress).
+    follow_swarm: bool = True
     # Seconds an ownership record lives without a heartbeat (a dead peer's experts are orphaned after this).
     record_ttl: float = 30.0
     # Run a round's network part in the background while training continues (one-round-delayed update).

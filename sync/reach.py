@@ -32,6 +32,7 @@ from hivemind.utils.multiaddr import Multiaddr
 logger = get_logger(__name__)
 
 DIAL_TIMEOUT = 5.0  # seconds per peer; a peer that does not answer is retried at the next pass
+PING_TIMEOUT = 5.0  # seconds per connect and per ping of a known DHT node
 CIRCUIT = "/p2p-circuit"
 
 
@@ -185,3 +186,34 @@ class PeerDialer:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=DIAL_TIMEOUT + 2)
+
+
+async def dht_neighbours(_dht: hivemind.DHT, node: Any) -> int:
+    """Inside the DHT process (module-level so that it pickles): DHT nodes in the routing table (not itself).
+
+    hivemind drops a node from the table when a request to it fails, so a peer whose link was down for a
+    while ends up with none, and nothing in hivemind ever re-bootstraps it: see `ping_maddrs`."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def ping_maddrs(maddrs: list[str], _dht: hivemind.DHT, node: Any) -> int:
+    """Inside the DHT process: dial and ping DHT nodes by full multiaddr; returns how many answered.
+
+    A ping puts this node back into each peer's routing table (and the peer into ours): this is how a node
+    re-joins after a restart (dht_bootstrap) or after its link came back (Swarm's heartbeat). The connect
+    goes through the daemon client because hivemind has no public "dial this address" call."""
+    by_peer: dict[str, list[Multiaddr]] = {}
+    for text in maddrs:
+        maddr = Multiaddr(text)
+        peer_id = maddr.value_for_protocol("p2p")
+        by_peer.setdefault(peer_id, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{peer_id}")))
+
+    async def ping(peer_id: str, addrs: list[Multiaddr]) -> bool:
+        try:
+            peer = PeerID.from_base58(peer_id)
+            await asyncio.wait_for(node.protocol.p2p._client.connect(peer, addrs), PING_TIMEOUT)
+            return await asyncio.wait_for(node.protocol.call_ping(peer), PING_TIMEOUT) is not None
+        except Exception:  # gone, moved, unreachable (link down), or another peer on that address now
+            return False
+
+    return sum(await asyncio.gather(*(ping(p, a) for p, a in by_peer.items())))

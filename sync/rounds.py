@@ -1,6 +1,7 @@
 """SPES sync rounds for one peer (SPEC §1 "Sync every H local steps", §2b).
 
-A round, started by the peer every `sync.every` local steps:
+A round, started by the peer every `sync.every` local steps (earlier when the other peers already started it:
+`round_due`, sync/progress.py):
 1. publish (training thread): snapshot the shared tensors and the experts this peer owns; the expert snapshots
    are served to others by `ExpertExchange`, and the DHT record gets the new round number;
 2. in a background thread, while training goes on: the shared snapshot is all-reduced with the live peers
@@ -8,8 +9,9 @@ A round, started by the peer every `sync.every` local steps:
    (a non-owner fetches its owners', an owner its co-owners') — expert tensors travel only from owners,
    keyed by expert ID — and validated; a refused expert keeps its local copy and is counted;
 3. at a later step boundary (training thread) the results are applied as deltas against the snapshots
-   (one-round-delayed update), experts without a live owner are adopted, and a peer that fell more than one
-   round behind re-downloads the swarm's state instead of averaging stale values.
+   (one-round-delayed update), experts without a live owner are adopted and adopted ones given back to an owner
+   that returned (sync/ownership.py), and a peer that fell more than one round behind re-downloads the swarm's
+   state instead of averaging stale values. Expert fetching and its checks live in sync/fetch.py.
 `overlap: false` (or `round()`) does all of it at once, blocking.
 
 Against hostile peers (docs/DESIGN.md, "Hostile peers"): the swarm's round is the median of live records;
@@ -37,16 +39,16 @@ from hivemind.utils.logging import get_logger
 
 from model.model import SpesMoE
 from sync.config import SyncConfig
+from sync.fetch import ExpertFetching, Snapshot
 from sync.merge import merge_alpha, merge_deltas, merge_due
 from sync.shared import SharedAverager
-from sync.robust import robust_mean
+from sync.ownership import Ownership
+from sync.progress import SwarmProgress
 from sync.swarm import PeerRecord, Swarm, median_round
 from sync.transfer import ExpertExchange
-from sync.validate import RejectCounter, validate_tensors
+from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
-
-Snapshot = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -59,6 +61,8 @@ class RoundReport:
     peers_seen: int = 1                 # live peers in the run's records (this one included)
     expert_group_size: int = 0          # peers in the owned-experts all-reduce (0: not run)
     adopted: list[int] = field(default_factory=list)
+    given_back: list[int] = field(default_factory=list)  # adopted experts returned to their owner (it is back)
+    cut_off: bool = False               # saw no other peer, and the run's initial peers did not answer
     redownloaded: bool = False
     merge_alpha: float = 0.0            # > 0 when this round applied the expert-merging warm-up
     seconds: float = 0.0                # wall time from start to apply
@@ -90,7 +94,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync:
+class SparseSync(ExpertFetching):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig,
@@ -119,8 +123,8 @@ class SparseSync:
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
         self._pending: _Pending | None = None
         self._leaving = False  # set by leave_soon(): no new round, the pending one stops looking for a group
-        # Experts seen with an owner: only these are adopted when orphaned (see Swarm.orphans_to_adopt).
-        self._seen_owned: set[int] = set(model.owned_experts)
+        self.progress = SwarmProgress(swarm, poll=min(1.0, cfg.matchmaking_time / 4))
+        self.ownership = Ownership(swarm, self.max_owned, model.owned_experts)
         # Replicas: peers owning exactly the same experts all-reduce them with a second averager (the DiLoCo
         # case: everyone owns everything); created lazily, re-created when ownership changes.
         self._expert_avg: SharedAverager | None = None
@@ -131,6 +135,8 @@ class SparseSync:
 
     def join(self, step: int, tokens: int) -> int:
         """Publish ownership; if the swarm already has peers, download its state. Returns the swarm's round."""
+        if self.cfg.follow_swarm:
+            self.progress.start()
         others = self._others()
         if others:
             # In a closed run the others' doors open only to peers with a (ticketed) record: publish it before
@@ -204,6 +210,17 @@ class SparseSync:
 
     # ---- rounds -------------------------------------------------------------------------------------------
 
+    def round_due(self, steps_since_round: int) -> bool:
+        """Start a round now? After `sync.every` local steps, or earlier (but after at least every/10 steps)
+        when the other peers' median round is already past this peer's: it is slower than them, and joins the
+        round they are in with the tokens it trained (sync.progress)."""
+        if steps_since_round >= self.cfg.every:
+            return True
+        if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
+            return False
+        swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5)
+        return swarm_round is not None and swarm_round > self.round_id
+
     def round(self, step: int, tokens: int, tokens_since_last: int) -> RoundReport:
         """A whole round, blocking (start + finish)."""
         self.start_round(step, tokens, tokens_since_last)
@@ -225,7 +242,10 @@ class SparseSync:
         replicated = any(set(r.experts) == set(own) for r in others.values())
         expert_avg = self._expert_averager(own, replicated)
         behind = bool(others) and median_round(others.values()) > self.round_id + 1
-        rel_change = self._relative_change(own)
+        # A peer that trained less than a full round (it joined the swarm's round early, sync.progress) changed
+        # its tensors less than the others changed theirs: scale its yardstick up, as SharedAverager.check_result.
+        short = self.max_weight / max(tokens_since_last, 1) if math.isfinite(self.max_weight) else 1.0
+        rel_change = self._relative_change(own) * max(1.0, short)
         future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last,
                                        bool(others) and not behind, expert_avg, rel_change)
         self._pending = _Pending(report, started, own, future, behind, step, tokens_since_last)
@@ -252,7 +272,13 @@ class SparseSync:
             report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout))
         # Read the records after the all-reduce: by then every peer of the group has published this round.
         records = self.swarm.peers()
+        self._forget_strikes_of_gone(records)
         others = self._others(records)
+        if not others:  # alone, or cut off from the run? Only asked here, off the training thread (a ping).
+            # Just re-joined after a cut: the others' records may not have reached this peer yet (ttl to be sure).
+            self.swarm.rejoin_if_cut_off()
+            rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl
+            report.cut_off = rejoined or not self.swarm.reachable()
         if not others or not average or self._leaving:
             return records, {}
         want = set(range(self.model.cfg.num_experts))
@@ -328,7 +354,7 @@ class SparseSync:
         self._pending = None
         self._capture_pre_apply()
         if pending.behind:
-            logger.info(f"fell more than one round behind the swarm: re-downloading its state")
+            logger.info("fell more than one round behind the swarm: re-downloading its state")
             self._download_state(self._others())
             report.redownloaded = True
         else:
@@ -342,12 +368,17 @@ class SparseSync:
                 report.merge_alpha = merge_alpha(pending.step, self.cfg.merge)
                 self._merge(synced, report.merge_alpha)
             self._expert_synced = {e: {k: v.float().clone() for k, v in synced[e].items()} for e in synced}
-            for expert in report.experts_missing:
+            # Rounds since an expert last synchronized widen the change its next copy may show (sync/fetch.py):
+            # count missing copies, and every expert in a round this peer spent cut off / without any other
+            # peer (after a partition the others' experts moved on for that many rounds).
+            unsynced = range(self.model.cfg.num_experts) if report.cut_off else report.experts_missing
+            for expert in unsynced:
                 self._stale[expert] = self._stale.get(expert, 0) + 1
             for expert in means:
                 self._stale.pop(expert, None)
         self._track_alone(report)
-        report.adopted = self._adopt(records) if records else []
+        if records:
+            report.adopted, report.given_back = self._adopt(records, set(means), report.cut_off)
         now = time.perf_counter()
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
@@ -447,110 +478,32 @@ class SparseSync:
                 mean = {k: mean[k] + (live[k].float() - own[expert][k].float()) for k in mean}
             self.model.load_expert_tensors(expert, mean)
 
-    def _fetch_means(self, others: dict[str, PeerRecord], want: set[int], own_snapshots: dict[int, Snapshot],
-                     rel_change: float | None = None) -> dict[int, Snapshot]:
-        """Aggregate of the owners' copies (validated) for each wanted expert that other peers own; an expert
-        whose every remote copy is missing or refused is left out (it keeps its local value).
-
-        `rel_change` (this peer's own relative change this round; None when joining, where there is no
-        synchronized value to compare with): a copy whose change from the last synchronized value exceeds
-        sync.max_delta_ratio x that (x rounds since the expert last synchronized) is refused as "delta"."""
-        owners: dict[int, list[PeerRecord]] = {}
-        for record in others.values():
-            for expert in record.experts:
-                if expert in want:
-                    owners.setdefault(expert, []).append(record)
-        futures, finished_at = {}, {}
-        started = time.monotonic()
-        for expert, records in list(owners.items()):
-            # An owner that let a fetch time out is skipped for 2, 4, 8.. rounds, then retried with a short
-            # timeout: a claimed owner that never serves costs one timeout, not one per round.
-            records = [r for r in records if self._retry_at.get(r.peer_id, 0) <= self.round_id]
-            owners[expert] = records
-            for record in records:
-                timeout = self._fetch_timeout(record.peer_id)
-                # An owner that is behind serves the newest round it has; one round of staleness is expected.
-                round_id = min(self.round_id, record.round)
-                future = self.exchange.fetch_async(PeerID.from_base58(record.peer_id), expert, round_id,
-                                                   timeout=timeout)
-                future.add_done_callback(lambda f, key=(expert, record.peer_id): finished_at.setdefault(key, time.monotonic()))
-                futures[(expert, record.peer_id)] = (future, timeout)
-        longest = max((t for _, t in futures.values()), default=0.0)
-        concurrent.futures.wait([f for f, _ in futures.values()], timeout=longest + 5)
-        means = {}
-        for expert in sorted(owners):
-            reference = own_snapshots.get(expert) or self.model.expert_tensors(expert)
-            synced = self._expert_synced.get(expert) if expert in own_snapshots else self.model.expert_tensors(expert)
-            copies = [own_snapshots[expert]] if expert in own_snapshots else []
-            fresh = 0
-            for record in owners[expert]:
-                future, timeout = futures[(expert, record.peer_id)]
-                received = future.result() if future.done() and not future.exception() else None
-                elapsed = finished_at.get((expert, record.peer_id), time.monotonic()) - started
-                self._note_serving(record.peer_id, received is not None or elapsed < 0.8 * timeout)
-                if received is None:
-                    continue
-                tensors, reason = validate_tensors(received, reference, max_norm_ratio=self.cfg.max_norm_ratio)
-                if tensors is None and reason is not None:
-                    self.rejects.add(reason)
-                elif rel_change is not None and synced is not None and not self._change_ok(expert, tensors, synced,
-                                                                                           rel_change):
-                    tensors, reason = None, "delta"
-                    self.rejects.add(reason)
-                if tensors is None:
-                    logger.warning(f"refused expert {expert} from peer ...{record.peer_id[-6:]}: {reason}")
-                    continue
-                copies.append(tensors)
-                fresh += 1
-            if fresh:
-                if len(copies) >= 3:
-                    means[expert] = robust_mean(copies, self.cfg.clip_factor)
-                else:
-                    means[expert] = {n: torch.stack([c[n].float() for c in copies]).mean(dim=0) for n in reference}
-        return means
-
-    def _change_ok(self, expert: int, tensors: Snapshot, synced: Snapshot, rel_change: float) -> bool:
-        """Is a copy's change from the expert's last synchronized value in proportion to an honest round's?"""
-        change = math.sqrt(sum(float(torch.linalg.vector_norm(tensors[k].float() - synced[k].float())) ** 2
-                               for k in synced))
-        size = math.sqrt(sum(float(torch.linalg.vector_norm(synced[k].float())) ** 2 for k in synced))
-        rounds = 1 + self._stale.get(expert, 0)
-        return change <= self.cfg.max_delta_ratio * rounds * max(rel_change, 1e-4) * max(size, 1e-12)
-
-    def _fetch_timeout(self, peer_id: str) -> float:
-        if self._strikes.get(peer_id, 0) == 0:
-            return self.cfg.round_timeout
-        return min(self.cfg.round_timeout, max(2.0, self.cfg.matchmaking_time))
-
-    def _note_serving(self, peer_id: str, served: bool) -> None:
-        if served:
-            self._strikes.pop(peer_id, None)
-            self._retry_at.pop(peer_id, None)
-        else:
-            strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
-            self._retry_at[peer_id] = self.round_id + 2 ** min(strikes, 5)
-            if strikes == 1:
-                logger.warning(f"peer ...{peer_id[-6:]} claims experts but let a fetch time out: skipped for a "
-                               f"few rounds, then retried with a short timeout")
-
-    def _adopt(self, records: dict[str, PeerRecord]) -> list[int]:
-        self._seen_owned |= {e for r in records.values() for e in r.experts}
-        adopt = self.swarm.orphans_to_adopt(self.model.owned_experts, self.max_owned, records, self._seen_owned)
+    def _adopt(self, records: dict[str, PeerRecord], averaged: set[int], cut_off: bool) -> tuple[list[int], list[int]]:
+        """Ownership changes after a round (sync.ownership): give adopted experts back to an owner that returned,
+        adopt orphans. Returns (adopted, given back)."""
+        self.ownership.observe(records)
+        owned = set(self.model.owned_experts)
+        back = self.ownership.to_release(owned, records, averaged)
+        adopt = self.ownership.to_adopt(owned - set(back), records, cut_off)
+        if not adopt and not back:
+            return [], []
         if adopt:
-            owned = sorted(set(self.model.owned_experts) | set(adopt))
             logger.info(f"adopting orphaned experts {adopt}: no live owner")
-            self.set_owned(owned)
-            for expert in adopt:  # its last synchronized value is what this peer holds of it now
-                self._expert_synced[expert] = {k: v.detach().float().cpu().clone()
-                                               for k, v in self.model.expert_tensors(expert).items()}
-            self.swarm.publish(experts=owned)
-        return adopt
+        owned = sorted((owned - set(back)) | set(adopt))
+        self.set_owned(owned)
+        for expert in back:
+            self._expert_synced.pop(expert, None)
+        for expert in adopt:  # its last synchronized value is what this peer holds of it now
+            self._expert_synced[expert] = {k: v.detach().float().cpu().clone()
+                                           for k, v in self.model.expert_tensors(expert).items()}
+        self.swarm.publish(experts=owned)
+        return adopt, back
 
     # ---- leaving ------------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Leave cleanly: withdraw the record, stop the averager, the exchange and the DHT."""
-        closers = [self.shared.shutdown, self.exchange.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
+        closers = [self.progress.stop, self.shared.shutdown, self.exchange.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
         for closer in closers:
             try:
                 closer()

@@ -17,7 +17,9 @@ import hashlib
 import os
 import shutil
 import socket
+import functools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -29,7 +31,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, ephemeral_identity, load_identity, peers_key, revoked_key
 from sync.records import RunRecordValidator
-from sync.reach import relay_client_options, static_relays_only
+from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs, relay_client_options, static_relays_only
 
 logger = get_logger(__name__)
 
@@ -214,6 +216,8 @@ class Swarm:
     ttl: float = 30.0
     ticket: bytes = b""   # closed runs: this peer's organizer ticket, carried in its record
     admission: Any = None  # closed runs: sync.admission.Admission (revoked peers are not read)
+    # Full multiaddrs of the run's initial peers: where this peer re-joins the DHT after its link came back.
+    initial_peers: Sequence[str] = ()
     record: PeerRecord = field(init=False)
 
     def __post_init__(self) -> None:
@@ -223,6 +227,9 @@ class Swarm:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._cut_off_since: float | None = None  # monotonic time the DHT routing table was first seen empty
+        self.rejoined_at = -float("inf")  # monotonic time of the last re-join (rejoin_if_cut_off)
+        self._rejoin_lock = threading.Lock()  # the heartbeat and the progress reader both check
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -323,10 +330,54 @@ class Swarm:
 
     # ---- heartbeat ----------------------------------------------------------------------------------------
 
+    def reachable(self) -> bool:
+        """Can this peer reach the run at all? True if one of the initial peers answers a ping now (bounded by
+        sync.reach.PING_TIMEOUT); always True without initial peers (the run's first node: nothing to be cut off
+        from). Asked only when no other peer is visible: alone in the run, or cut off from it (sync.ownership)."""
+        if not self.initial_peers:
+            return True
+        try:
+            return self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers))) > 0
+        except Exception as e:  # the DHT process is stopping or wedged: not reachable, as far as we can tell
+            logger.debug(f"reachability check failed: {e!r}")
+            return False
+
+    def rejoin_if_cut_off(self) -> bool:
+        """If the DHT routing table is empty (hivemind drops every node whose request failed: a link that was
+        down for a while leaves none, and hivemind never bootstraps again), ping the initial peers to get back
+        in, and publish this peer's record at once. Returns True when it re-joined now."""
+        # Blocking: a caller must not see "reachable" while another thread is half-way through a re-join.
+        if not self._rejoin_lock.acquire(timeout=3 * PING_TIMEOUT):
+            return False
+        try:
+            return self._rejoin_if_cut_off()
+        finally:
+            self._rejoin_lock.release()
+
+    def _rejoin_if_cut_off(self) -> bool:
+        if not self.initial_peers or self.dht.run_coroutine(dht_neighbours) > 0:
+            self._cut_off_since = None
+            return False
+        now = time.monotonic()
+        if self._cut_off_since is None:
+            self._cut_off_since = now
+            logger.warning("no DHT node reachable any more (link down?): trying to re-join through the run's "
+                           "initial peers")
+        found = self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers)))
+        if not found:
+            return False
+        logger.info(f"re-joined the DHT through {found} initial peer(s), {now - self._cut_off_since:.0f}s after "
+                    f"losing it")
+        self._cut_off_since = None
+        self.rejoined_at = time.monotonic()
+        self.publish()  # its record expired everywhere else meanwhile: be visible again now, not at the next beat
+        return True
+
     def start_heartbeat(self) -> None:
         def beat() -> None:
             while not self._stop.wait(self.ttl / 3):
                 try:
+                    self.rejoin_if_cut_off()
                     self.publish()
                 except Exception as e:  # a failed store must not kill the heartbeat; the next one retries
                     logger.warning(f"heartbeat failed: {e}")

@@ -5,7 +5,8 @@ owners' experts, all through a single streaming rpc handler (not one averager pe
 
 - request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")`;
 - response stream of `runtime_pb2.ExpertResponse`: first message `metadata` = MSGPack `{"names": [...],
-  "round": r}` (or `{"error": "missing" | "bad request" | "internal"}` and the stream ends), then the tensors,
+  "round": r}` — r is the round asked for, or the owner's newest if that one is gone and a later one exists;
+  never an older one — (or `{"error": "missing" | "bad request" | "internal"}` and the stream ends), then the tensors,
   each serialized with hivemind's codecs and cut into parts by `split_for_streaming` (so tensors bigger than
   a p2p message work), several parts per message.
 
@@ -293,7 +294,13 @@ class ExpertExchange:
             return
         expert, round_id = parsed
         with self._lock:
-            entry = self._store.get(expert, {}).get(round_id)
+            rounds = self._store.get(expert, {})
+            # The round asked for, or else the newest if that is later: round numbers are labels, and an owner
+            # that ran rounds alone (cut off for a while) numbers them ahead of the swarm; what a fetcher wants
+            # is this owner's newest copy, never an older one than it asked for.
+            if round_id not in rounds and rounds and max(rounds) > round_id:
+                round_id = max(rounds)
+            entry = rounds.get(round_id)
         if entry is None:
             yield error("missing")
             return
@@ -407,8 +414,8 @@ class ExpertExchange:
         if "error" in meta:
             logger.debug(f"Peer {peer} has no expert {uid}: {meta['error'][:40]}")
             return None
-        if meta["round"] != round_id:
-            raise MalformedResponse(f"asked for round {round_id}, got round {meta['round']}")
+        if meta["round"] < round_id:
+            raise MalformedResponse(f"asked for round {round_id}, got the older round {meta['round']}")
         if len(groups) > len(meta["names"]):
             raise MalformedResponse(f"{len(meta['names'])} names but {len(groups)} tensors")
         if len(groups) < len(meta["names"]):

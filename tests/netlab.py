@@ -242,6 +242,20 @@ class NsProcess:
             if m:
                 return m
 
+    def wait_log(self, pattern: str, timeout: float) -> re.Match:
+        """Wait for `pattern` (multiline regex) in the process's log file (peer.run and dht_bootstrap log to
+        stderr, which goes there); raise if the process exits or `timeout` passes first."""
+        rx = re.compile(pattern, re.M)
+        deadline = time.monotonic() + timeout
+        while True:
+            m = rx.search(self.log_path.read_text(errors="replace"))
+            if m:
+                return m
+            if not self.alive() or time.monotonic() > deadline:
+                raise AssertionError(f"no {pattern!r} in {self.argv[:4]} (rc={self.popen.poll()}):\n"
+                                     f"{self.log_tail(60)}")
+            time.sleep(0.3)
+
     def send(self, line: str) -> None:
         """Write one line to the process's stdin (started with stdin=True)."""
         assert self.popen.stdin is not None, "process was started without stdin=True"

@@ -138,19 +138,6 @@ RUN_ID = "netlab"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _wait_log(proc: NsProcess, pattern: str, timeout: float) -> re.Match:
-    """Wait for `pattern` in a process's log (peer.run and dht_bootstrap log to stderr, kept in `log_path`)."""
-    rx = re.compile(pattern, re.M)
-    deadline = time.monotonic() + timeout
-    while True:
-        m = rx.search(proc.log_path.read_text(errors="replace"))
-        if m:
-            return m
-        if not proc.alive() or time.monotonic() > deadline:
-            raise AssertionError(f"no {pattern!r} in {proc.argv[:4]} (rc={proc.popen.poll()}):\n{proc.log_tail(60)}")
-        time.sleep(0.3)
-
-
 def _spes_peer(lab: NetLab, node: str, initial: str, experts: str, *flags: str) -> NsProcess:
     ip = lab.nodes[node].ip
     env = {**os.environ, **THREADS}
@@ -176,12 +163,12 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
 
     boot = netlab.python(boot_node, "-m", "dht_bootstrap", "--host-maddrs", f"/ip4/{boot_node.ip}/tcp/31337",
                          "--run-id", RUN_ID, "--num-experts", "4", "--status-every", "5", name="boot")
-    initial = _wait_log(boot, r"initial peer: (\S+)", 60).group(1)
-    assert "serving as a libp2p circuit relay" in _wait_log(boot, r"relay: .*", 10).group(0)
+    initial = boot.wait_log(r"initial peer: (\S+)", 60).group(1)
+    assert "serving as a libp2p circuit relay" in boot.wait_log(r"relay: .*", 10).group(0)
     publics = [_spes_peer(netlab, "pa", initial, "0"), _spes_peer(netlab, "pb", initial, "1")]
     home = _spes_peer(netlab, "home", initial, "2-3", mode)
-    home_id = _wait_log(home, r"initial peer: \S+/p2p/(\w+)$", 90).group(1)
-    line = _wait_log(home, r"reachability: .*", 10).group(0)
+    home_id = home.wait_log(r"initial peer: \S+/p2p/(\w+)$", 90).group(1)
+    line = home.wait_log(r"reachability: .*", 10).group(0)
     assert ("through relays" in line) if mode == "--use-auto-relay" else ("client mode" in line), line
 
     if mode == "--use-auto-relay":

@@ -285,3 +285,39 @@ def test_compressed_round_is_close_to_the_exact_mean(swarm_factory, compression)
         owner_value = experts_before[1][2][name]
         assert (value - owner_value).norm() <= tol * owner_value.norm(), name
     assert peers[0].sync.bytes_on_wire()["shared"] > 0 and peers[0].sync.bytes_on_wire()["expert"] > 0
+
+
+def test_slower_peer_joins_the_swarms_round_early_weighted_by_its_tokens(swarm_factory):
+    cfg = _sync_cfg(every=10, target_group_size=3)
+    a, b, slow = swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)
+    _round_all([a, b, slow])
+    assert not slow.sync.round_due(3)  # nobody is ahead yet: a slower peer keeps training
+    for i, peer in enumerate((a, b, slow)):
+        _local_training(peer, seed=40 + i)
+    before = [_shared(p) for p in (a, b, slow)]
+    for peer in (a, b):  # the fast peers reached step 10 of the round
+        peer.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)
+    deadline = time.monotonic() + 10
+    while not slow.sync.round_due(3) and time.monotonic() < deadline:  # the slow one is at step 3 of 10
+        time.sleep(0.1)
+    assert slow.sync.round_due(3), "the slower peer did not notice that the swarm started a round"
+    assert not slow.sync.round_due(0)  # never an early round without a step trained
+    slow.sync.start_round(step=4, tokens=400, tokens_since_last=300)
+    reports = [p.sync.finish_round(block=True) for p in (a, b, slow)]
+    assert [r.group_size for r in reports] == [3, 3, 3], reports
+    assert len({r.round_id for r in reports}) == 1
+    weights = torch.tensor([1000.0, 1000.0, 300.0])
+    for peer in (a, b, slow):
+        for name, value in _shared(peer).items():
+            mean = (torch.stack([s[name] for s in before]) * weights.view(-1, *[1] * value.dim())).sum(0) / weights.sum()
+            torch.testing.assert_close(value, mean, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lone_liar_cannot_trigger_early_rounds(swarm_factory):
+    cfg = _sync_cfg(every=10)
+    peers = [swarm_factory([e], cfg) for e in range(4)]
+    _round_all(peers)
+    liar = peers[0]
+    liar.swarm.publish(round=liar.sync.round_id + 1000)
+    time.sleep(3 * peers[1].sync.progress.poll + 1)
+    assert not any(p.sync.round_due(5) for p in peers[1:])  # the median of the others did not move

@@ -108,7 +108,9 @@ def test_missing_and_keep_rounds(dhts, make_exchange):
         a.publish(round_id, 3, make_expert(round_id))
     assert a.published(3) == 7
     t0 = time.monotonic()
-    assert b.fetch(a.peer_id, 3, 5, timeout=20) is None  # dropped: only rounds 6 and 7 kept
+    # Round 5 was dropped (only 6 and 7 kept): the owner's newest copy is served instead, never an older one.
+    got = b.fetch(a.peer_id, 3, 5, timeout=20)
+    assert got is not None and torch.equal(got["layers.0.down_proj"], make_expert(7)["layers.0.down_proj"])
     assert b.fetch(a.peer_id, 3, 8, timeout=20) is None  # not published yet
     assert b.fetch(a.peer_id, 4, 7, timeout=20) is None  # never published
     assert time.monotonic() - t0 < 5.0
@@ -210,8 +212,8 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": "1"}))],
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a", "b"], "round": 1})),
          runtime_pb2.ExpertResponse(tensors=good_part)],  # two names, one tensor: incomplete, not counted
-        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 2})),
-         runtime_pb2.ExpertResponse(tensors=good_part)],  # not the round asked for
+        [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 0})),
+         runtime_pb2.ExpertResponse(tensors=good_part)],  # older than the round asked for
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
          runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=b"\0" * 12, size=[4], dtype="object")])],
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),

@@ -1,0 +1,66 @@
+"""Where the swarm's rounds are, read in the background: lets a slower peer join the swarm's round on time.
+
+Rounds are counted in local steps (`sync.every`), so a peer 3x slower than the others reaches its round boundary
+long after them; the fast peers would then look for an averaging group without it (or wait for it). A
+`SwarmProgress` thread re-reads the live peer records every `poll` seconds; `SparseSync.round_due` starts a round
+early when the lower median of the other peers' published rounds is already past this peer's (they started a
+later round: they published it at its start). The peer then enters that round with the tokens it did train, and
+its all-reduce weight is those tokens (docs/DESIGN.md, "Heterogeneous peers").
+
+The median, not the max: one peer publishing a huge round cannot make the others start rounds every step
+(records are signed and bounded, sync.records, and a lone liar cannot move the median, sync.swarm.median_round).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from hivemind.utils.logging import get_logger
+
+from sync.swarm import PeerRecord, Swarm, median_round
+
+logger = get_logger(__name__)
+
+
+class SwarmProgress:
+    """Background reader of the run's peer records (one thread; every read bounded by the DHT's own timeouts)."""
+
+    def __init__(self, swarm: Swarm, poll: float = 1.0):
+        self.swarm, self.poll = swarm, poll
+        self._records: dict[str, PeerRecord] = {}
+        self._read_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="spes-progress", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                # Checked here too (not only in the heartbeat, every ttl/3): a peer whose link came back re-joins
+                # within a poll, so its very next round finds the others.
+                self.swarm.rejoin_if_cut_off()
+                records = self.swarm.peers()
+                self._records, self._read_at = records, time.monotonic()
+            except Exception as e:  # a DHT that is restarting or partitioned: keep the last view, try again
+                logger.debug(f"reading peer records failed: {e!r}")
+            self._stop.wait(self.poll)
+
+    def others(self, max_age: float | None = None) -> dict[str, PeerRecord]:
+        """The other live peers' records as last read (empty if the last read is older than `max_age`)."""
+        if max_age is not None and time.monotonic() - self._read_at > max_age:
+            return {}
+        return {p: r for p, r in self._records.items() if p != self.swarm.peer_id}
+
+    def swarm_round(self, max_age: float | None = None) -> int | None:
+        """Lower median of the other peers' rounds, None when none is known."""
+        others = self.others(max_age)
+        return median_round(others.values()) if others else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -1,0 +1,146 @@
+"""SPES processes in the network lab (tests/netlab.py), shared by the namespace tests and bench/wan.py.
+
+One launcher for `dht_bootstrap` and `peer.run` inside a lab's namespaces, a parser for the peers' round log
+lines ("round N applied at step S: shared group G, ..., X.XXs (Y.YYs blocked)"), and a CPU-quota helper that
+makes one peer slower than the others the way a slower machine is (a cgroup CPU limit, no code of ours involved).
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+from tests.netlab import NetLab, Node, NsProcess
+
+RUN_ID = "netlab"
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+_LIST = r"(none|\[[\d, ]*\])"
+ROUND_RE = re.compile(
+    r"^(\w{3} \d\d [\d:.]+) \[INFO\] \[\S+ \w+\] round (\d+) applied at step (\d+): shared group (\d+), "
+    rf"experts synced (\d+), missing {_LIST}, rejected (\d+), adopted {_LIST}(?:, gave back {_LIST})?"
+    r"(, re-downloaded)?(?:, merged \(alpha [\d.]+\))?, ([\d.]+)s \(([\d.]+)s blocked\)$", re.M)
+
+
+def _experts(text: Optional[str]) -> list[int]:
+    return [] if text in (None, "none") else [int(x) for x in re.findall(r"\d+", text)]
+
+
+def _log_time(stamp: str) -> float:
+    """hivemind's log time ("Dec 01 23:25:19.009", local time, no year) as a Unix timestamp."""
+    now = datetime.now()
+    parsed = datetime.strptime(f"{now.year} {stamp}", "%Y %b %d %H:%M:%S.%f")
+    if parsed > now and (parsed - now).days > 300:  # a run across New Year's Eve
+        parsed = parsed.replace(year=now.year - 1)
+    return parsed.timestamp()
+
+
+@dataclass
+class Round:
+    """One "round N applied" line of a peer's log."""
+
+    applied_at: float  # Unix time of the log line
+    round_id: int
+    step: int
+    group: int
+    synced: int
+    missing: list[int]
+    adopted: list[int]
+    given_back: list[int]
+    redownloaded: bool
+    seconds: float
+    blocked: float
+
+    @property
+    def started_at(self) -> float:
+        return self.applied_at - self.seconds
+
+
+def rounds(log_text: str) -> list[Round]:
+    return [Round(_log_time(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), _experts(m[6]), _experts(m[8]),
+                  _experts(m[9]), bool(m[10]), float(m[11]), float(m[12])) for m in ROUND_RE.finditer(log_text)]
+
+
+def start_bootstrap(lab: NetLab, node: Node, num_experts: int, *flags: str) -> tuple[NsProcess, str]:
+    """A `dht_bootstrap` node on port 31337 of `node`; returns it and its full multiaddr."""
+    boot = lab.python(node, "-m", "dht_bootstrap", "--host-maddrs", f"/ip4/{node.ip}/tcp/31337",
+                      "--run-id", RUN_ID, "--num-experts", str(num_experts), "--status-every", "5", *flags,
+                      name="boot")
+    return boot, boot.wait_log(r"initial peer: (\S+)", 60).group(1)
+
+
+def spes_peer(lab: NetLab, node: str, initial: str, experts: str, *flags: str, steps: int = 40,
+              every: int = 10, env: Optional[dict] = None) -> NsProcess:
+    """`python -m peer.run` (configs/tiny.yaml, one torch thread) in `node`'s namespace, run dir in the lab."""
+    ip = lab.nodes[node].ip
+    return lab.python(node, "-m", "peer.run", "--config", "configs/tiny.yaml", "--run-id", RUN_ID,
+                      "--run-dir", str(lab.workdir / f"run-{node}"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
+                      "--initial-peers", initial, "--experts", experts, "--max-steps", str(steps),
+                      "--sync-every", str(every), "--set", "train.eval_every=100000",
+                      "--set", "train.checkpoint_every=100000", *flags, name=f"peer-{node}",
+                      env={**os.environ, **THREADS, **(env or {})})
+
+
+def wait_rounds(proc: NsProcess, count: int, timeout: float, min_group: int = 1, after: float = 0.0) -> list[Round]:
+    """Wait until `proc` applied `count` rounds with at least `min_group` peers that started after `after`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [r for r in rounds(proc.log_path.read_text(errors="replace"))
+                 if r.group >= min_group and r.started_at >= after]
+        if len(found) >= count:
+            return found
+        if not proc.alive() or time.monotonic() > deadline:
+            raise AssertionError(f"{proc.argv[:4]}: {len(found)} of {count} rounds with group >= {min_group} "
+                                 f"(rc={proc.popen.poll()}):\n{proc.log_tail(60)}")
+        time.sleep(0.5)
+
+
+class CpuQuota:
+    """A cgroup (v2 or v1 `cpu` controller) limiting its processes to `cores` CPU cores: a slower machine.
+
+    Processes join with `add(pid)`; their children (hivemind's DHT/averager processes, p2pd) inherit it."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, name: str, cores: float):
+        quota = max(1000, int(cores * self.PERIOD_US))
+        v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
+        if (v2 / "cgroup.controllers").is_file() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            self.path = v2 / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+        elif (v1 / "cpu.cfs_quota_us").is_file():
+            self.path = v1 / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            raise OSError("no cgroup cpu controller (v2 cpu.max or v1 cpu.cfs_quota_us) to limit a peer's CPU")
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        if os.geteuid() != 0:
+            return "needs root (cgroups)"
+        v2, v1 = Path("/sys/fs/cgroup/cgroup.controllers"), Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+        if v1.is_file() or (v2.is_file() and "cpu" in v2.read_text().split()):
+            return None
+        return "no cgroup cpu controller"
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def close(self) -> None:
+        """Move what is left back to the root group and remove this one."""
+        try:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                try:
+                    (self.path.parent / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass
+            self.path.rmdir()
+        except OSError:
+            pass
