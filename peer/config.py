@@ -117,6 +117,10 @@ class NetworkConfig:
     this one by its peer ID; bulk data goes over connections this peer opens itself (--use-auto-relay)."""
     client_mode: bool = False
     """Behind NAT: run the DHT and the averagers as hivemind clients, which only make requests (--client-mode)."""
+    upload_mbit: float = 0.0
+    """This peer's upload bandwidth in Mbit/s, if known (0 = unknown: an equal share). hivemind's all-reduce gives
+    each peer a part of the tensors to reduce in proportion to it, so a 5 Mbit/s home uplink reduces a small part
+    and does not hold a group of 100 Mbit/s peers to its pace."""
 
 
 @dataclass
@@ -145,6 +149,8 @@ class RunConfig:
         self.data.validate()
         if not 0 <= self.metrics.port < 65536:
             raise ConfigError(f"metrics.port must be in [0, 65535], got {self.metrics.port}")
+        if not 0 <= self.network.upload_mbit < 1e6:
+            raise ConfigError(f"network.upload_mbit must be >= 0 (0 = unknown), got {self.network.upload_mbit}")
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.run_id

@@ -100,7 +100,8 @@ class PeerNode:
                     gate = Gate(self.swarm.dht, self.admission)
                 self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync,
                                        set_owned=self.trainer.set_owned_experts, rejects=self.rejects,
-                                       max_weight=round_token_cap(cfg), gate=gate)
+                                       max_weight=round_token_cap(cfg), gate=gate,
+                                       bandwidth=cfg.network.upload_mbit or None)
                 self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens) or self.trainer.rounds
                 if self.dialer is not None:
                     self.dialer.start()

@@ -37,7 +37,9 @@ class SyncConfig:
     round_timeout: float = 60.0
     matchmaking_time: float = 5.0
     # Start an all-reduce as soon as this many peers joined its group instead of after the whole matchmaking
-    # time (0 = no target: always wait matchmaking_time). For organized runs that know their peer count.
+    # time. 0 (default): as many as the run's records showed live at the round's start (a peer that does not
+    # come costs matchmaking_time, as without a target); N >= 2: exactly N (organized runs); -1: no target,
+    # always wait the whole matchmaking_time.
     target_group_size: int = 0
     # Before the first step, wait until this many peers (this one included) have records in the run, at most
     # round_timeout seconds (0 = start at once). For organized starts: no peer runs its first rounds alone.
@@ -89,8 +91,9 @@ class SyncConfig:
             raise ValueError(f"sync.max_experts_per_peer must be >= 0, got {self.max_experts_per_peer}")
         if self.wait_for_peers < 0:
             raise ValueError(f"sync.wait_for_peers must be >= 0, got {self.wait_for_peers}")
-        if self.target_group_size < 0 or self.target_group_size == 1:
-            raise ValueError(f"sync.target_group_size must be 0 (none) or >= 2, got {self.target_group_size}")
+        if self.target_group_size < -1 or self.target_group_size == 1:
+            raise ValueError(f"sync.target_group_size must be 0 (the live peers), -1 (none) or >= 2, "
+                             f"got {self.target_group_size}")
         if self.matchmaking_time >= self.round_timeout:
             raise ValueError("sync.matchmaking_time must be shorter than sync.round_timeout")
         if self.merge.interval <= 0 or self.merge.decay_steps <= 0 or self.merge.topk <= 0:

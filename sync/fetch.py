@@ -1,4 +1,5 @@
-"""Fetching other owners' copies of experts in a round, validated and aggregated (docs/DESIGN.md, "Hostile peers").
+"""Fetching from other peers: owners' copies of experts in a round, and the swarm's state when joining (docs/DESIGN.md,
+"Hostile peers").
 
 `ExpertFetching` is a part of `sync.rounds.SparseSync`, kept in its own file: it uses the round's state
 (`round_id`, `cfg`, `exchange`, `model`, `rejects`, the last synchronized experts `_expert_synced` and their
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import random
 import time
 
 import torch
@@ -19,7 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from sync.robust import robust_mean
-from sync.swarm import PeerRecord
+from sync.swarm import PeerRecord, median_round
 from sync.validate import validate_tensors
 
 logger = get_logger(__name__)
@@ -30,7 +32,40 @@ _ROUNDING = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
 
 
 class ExpertFetching:
-    """Mixin of SparseSync: fetch, validate and aggregate the owners' copies of experts."""
+    """Mixin of SparseSync: fetch, validate and aggregate the owners' copies of experts; download the swarm's
+    state (shared tensors from up to 3 verified sources, experts from their owners) when joining or behind."""
+
+    def _download_state(self, others: dict[str, PeerRecord]) -> None:
+        # The median, never the max: a record claiming round 1e9 neither moves this counter nor is asked for
+        # the state (sources are peers whose round is within one of the median). Never backwards.
+        swarm_round = median_round(others.values())
+        self.round_id = max(self.round_id, swarm_round)
+        sources = [p for p, r in others.items() if abs(r.round - swarm_round) <= 1]
+        random.shuffle(sources)
+        copies = self._download_shared(sources, want=3)
+        if self.shared.load_state(copies):
+            logger.info(f"downloaded the shared tensors of round {self.round_id} from {len(copies)} peer(s)")
+        else:
+            logger.warning("no peer served valid shared tensors: keeping the local ones")
+        means = self._fetch_means(others, set(range(self.model.cfg.num_experts)), own_snapshots={})
+        for expert, mean in means.items():
+            self.model.load_expert_tensors(expert, mean)
+        self._reset_expert_references()
+
+    def _download_shared(self, sources: list[str], want: int) -> list[list[torch.Tensor]]:
+        """Shared-state copies from up to `want` of `sources` (fetched concurrently, more tried if some fail)."""
+        timeout = min(self.cfg.round_timeout, 30.0)
+        prefix = self.shared.averager.prefix
+        copies: list[list[torch.Tensor]] = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, want)) as pool:
+            for start in range(0, len(sources), want):
+                batch = sources[start:start + want - len(copies)]
+                results = pool.map(lambda p: self.exchange.download_state(PeerID.from_base58(p), prefix, timeout),
+                                   batch)
+                copies.extend(r for r in results if r is not None)
+                if len(copies) >= want:
+                    break
+        return copies
 
     def _forget_strikes_of_gone(self, records: dict[str, PeerRecord]) -> None:
         for peer_id in [p for p in self._strikes if p not in records]:

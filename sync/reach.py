@@ -196,7 +196,7 @@ async def dht_neighbours(_dht: hivemind.DHT, node: Any) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-async def ping_maddrs(maddrs: list[str], _dht: hivemind.DHT, node: Any) -> int:
+async def ping_maddrs(maddrs: list[str], _dht: hivemind.DHT, node: Any, timeout: float = PING_TIMEOUT) -> int:
     """Inside the DHT process: dial and ping DHT nodes by full multiaddr; returns how many answered.
 
     A ping puts this node back into each peer's routing table (and the peer into ours): this is how a node
@@ -211,8 +211,8 @@ async def ping_maddrs(maddrs: list[str], _dht: hivemind.DHT, node: Any) -> int:
     async def ping(peer_id: str, addrs: list[Multiaddr]) -> bool:
         try:
             peer = PeerID.from_base58(peer_id)
-            await asyncio.wait_for(node.protocol.p2p._client.connect(peer, addrs), PING_TIMEOUT)
-            return await asyncio.wait_for(node.protocol.call_ping(peer), PING_TIMEOUT) is not None
+            await asyncio.wait_for(node.protocol.p2p._client.connect(peer, addrs), timeout)
+            return await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None
         except Exception:  # gone, moved, unreachable (link down), or another peer on that address now
             return False
 

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from model.model import SpesMoE
@@ -99,9 +97,10 @@ class SparseSync(ExpertFetching):
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig,
                  set_owned: Callable[[list[int]], None], rejects: RejectCounter | None = None,
-                 max_weight: float = math.inf, gate=None):
+                 max_weight: float = math.inf, gate=None, bandwidth: float | None = None):
         """`max_weight`: the most tokens a peer can train in one round at the run's batch settings (the cap on
-        any peer's all-reduce weight); `gate`: a closed run's door check (sync.admission.Gate), None if open."""
+        any peer's all-reduce weight); `gate`: a closed run's door check (sync.admission.Gate), None if open;
+        `bandwidth`: this peer's upload in Mbit/s if known (its share of each all-reduce to reduce)."""
         self.model, self.swarm, self.cfg = model, swarm, cfg
         self.set_owned = set_owned
         self.rejects = rejects if rejects is not None else RejectCounter()
@@ -109,7 +108,9 @@ class SparseSync(ExpertFetching):
         self.round_id = 0
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=cfg.compression,
                                        rejects=self.rejects, gate=gate)
-        self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects, max_weight=max_weight, gate=gate)
+        self.bandwidth = bandwidth
+        self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects, max_weight=max_weight, gate=gate,
+                                     bandwidth=bandwidth)
         # Last synchronized value of each owned expert (what its own change in a round is measured from), rounds
         # since each expert was last synchronized, and owners that let a fetch time out (short timeouts after).
         self._expert_synced: dict[int, Snapshot] = {}
@@ -163,38 +164,6 @@ class SparseSync(ExpertFetching):
         records = self.swarm.peers() if records is None else records
         return {p: r for p, r in records.items() if p != self.swarm.peer_id}
 
-    def _download_state(self, others: dict[str, PeerRecord]) -> None:
-        # The median, never the max: a record claiming round 1e9 neither moves this counter nor is asked for
-        # the state (sources are peers whose round is within one of the median). Never backwards.
-        swarm_round = median_round(others.values())
-        self.round_id = max(self.round_id, swarm_round)
-        sources = [p for p, r in others.items() if abs(r.round - swarm_round) <= 1]
-        random.shuffle(sources)
-        copies = self._download_shared(sources, want=3)
-        if self.shared.load_state(copies):
-            logger.info(f"downloaded the shared tensors of round {self.round_id} from {len(copies)} peer(s)")
-        else:
-            logger.warning("no peer served valid shared tensors: keeping the local ones")
-        means = self._fetch_means(others, set(range(self.model.cfg.num_experts)), own_snapshots={})
-        for expert, mean in means.items():
-            self.model.load_expert_tensors(expert, mean)
-        self._reset_expert_references()
-
-    def _download_shared(self, sources: list[str], want: int) -> list[list[torch.Tensor]]:
-        """Shared-state copies from up to `want` of `sources` (fetched concurrently, more tried if some fail)."""
-        timeout = min(self.cfg.round_timeout, 30.0)
-        prefix = self.shared.averager.prefix
-        copies: list[list[torch.Tensor]] = []
-        with concurrent.futures.ThreadPoolExecutor(max(1, want)) as pool:
-            for start in range(0, len(sources), want):
-                batch = sources[start:start + want - len(copies)]
-                results = pool.map(lambda p: self.exchange.download_state(PeerID.from_base58(p), prefix, timeout),
-                                   batch)
-                copies.extend(r for r in results if r is not None)
-                if len(copies) >= want:
-                    break
-        return copies
-
     def _reset_expert_references(self) -> None:
         self._expert_synced = {e: {k: v.detach().float().cpu().clone() for k, v in self.model.expert_tensors(e).items()}
                                for e in self.model.owned_experts}
@@ -247,7 +216,8 @@ class SparseSync(ExpertFetching):
         short = self.max_weight / max(tokens_since_last, 1) if math.isfinite(self.max_weight) else 1.0
         rel_change = self._relative_change(own) * max(1.0, short)
         future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last,
-                                       bool(others) and not behind, expert_avg, rel_change)
+                                       bool(others) and not behind, expert_avg, rel_change,
+                                       {} if replicated else others)
         self._pending = _Pending(report, started, own, future, behind, step, tokens_since_last)
         return previous
 
@@ -267,9 +237,23 @@ class SparseSync(ExpertFetching):
 
     def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int, average: bool,
                       expert_avg: SharedAverager | None,
-                      rel_change: float | None = None) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+                      rel_change: float | None = None, others_at_start: dict[str, PeerRecord] | None = None,
+                      ) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+        early, early_experts = None, set()
+        if average and others_at_start:
+            # While the all-reduce runs, fetch the experts whose every owner already started this round (their
+            # snapshots for it are published): both transfers then share the link instead of taking turns.
+            owners: dict[int, list[PeerRecord]] = {}
+            for record in others_at_start.values():
+                for expert in record.experts:
+                    owners.setdefault(expert, []).append(record)
+            early_experts = {e for e, rs in owners.items() if all(r.round >= self.round_id for r in rs)}
+            if early_experts:
+                early = _run_in_daemon_thread(self._fetch_means, others_at_start, early_experts, own, rel_change)
+        rejected_before = self.rejects.total()
         if average:
-            report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout))
+            report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout,
+                                                              expected=report.peers_seen))
         # Read the records after the all-reduce: by then every peer of the group has published this round.
         records = self.swarm.peers()
         self._forget_strikes_of_gone(records)
@@ -279,15 +263,17 @@ class SparseSync(ExpertFetching):
             self.swarm.rejoin_if_cut_off()
             rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl
             report.cut_off = rejoined or not self.swarm.reachable()
+        means = early.result() if early is not None else {}
         if not others or not average or self._leaving:
-            return records, {}
+            return records, means
         want = set(range(self.model.cfg.num_experts))
-        if expert_avg is not None and any(set(r.experts) == set(own) for r in others.values()):
-            report.expert_group_size = expert_avg.all_reduce(weight, timeout=self.cfg.round_timeout)
+        replicas = sum(set(r.experts) == set(own) for r in others.values())
+        if expert_avg is not None and replicas:
+            report.expert_group_size = expert_avg.all_reduce(weight, timeout=self.cfg.round_timeout,
+                                                             expected=replicas + 1)
             if report.expert_group_size > 1:
                 want -= set(own)  # averaged with the replicas already: nothing to fetch for them
-        rejected_before = self.rejects.total()
-        means = self._fetch_means(others, want, own, rel_change)
+        means.update(self._fetch_means(others, want - early_experts, own, rel_change))
         report.rejected = self.rejects.total() - rejected_before
         owned_elsewhere = {e for r in others.values() for e in r.experts} & want
         report.experts_synced = sorted(set(means) | (set(own) - want))
@@ -310,7 +296,8 @@ class SparseSync(ExpertFetching):
             params = [t for e in key for t in self._owned_params(e)]
             prefix = f"{self.swarm.run_id}_experts_{'-'.join(map(str, key))}"
             self._expert_avg = SharedAverager(self.model, self.swarm, self.cfg, params=params, prefix=prefix,
-                                              rejects=self.rejects, max_weight=self.max_weight, gate=self.gate)
+                                              rejects=self.rejects, max_weight=self.max_weight, gate=self.gate,
+                                              bandwidth=self.bandwidth)
             # Its results are judged against the experts' last synchronized values, not today's trained ones.
             names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
             if all(e in self._expert_synced for e in key):

@@ -23,6 +23,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.logging import get_logger
+from hivemind.utils.mpfuture import MPFuture
 
 from model.model import SpesMoE
 from sync.config import SyncConfig
@@ -132,6 +133,18 @@ class _CountingAverager(DecentralizedAverager):
         self._wire, self._gate, self._rejects, self._policy = wire, gate, rejects, policy
         super().__init__(*args, **kwargs)
 
+    def set_expected_group_size(self, size: int) -> None:
+        """(Calling process) A group this peer leads starts its all-reduce once `size` peers are in it. hivemind
+        fixes target_group_size at construction; the live peer count changes, so it is set before each step."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_expected_group_size", [], dict(size=size, future=future)))
+        future.result(timeout=10)
+
+    async def _set_expected_group_size(self, size: int, future: MPFuture) -> None:
+        # The matchmaking reads target_group_size on every join request (start when full, refuse beyond it).
+        self._matchmaking.target_group_size = size
+        future.set_result(None)
+
     async def _admits(self, peer_id) -> bool:
         if self._gate is None or await self._gate.admits(peer_id):
             return True
@@ -187,7 +200,7 @@ class SharedAverager:
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, params: list[torch.Tensor] | None = None,
                  prefix: str | None = None, outer: str | None = None, rejects: RejectCounter | None = None,
-                 max_weight: float = float("inf"), gate=None):
+                 max_weight: float = float("inf"), gate=None, bandwidth: float | None = None):
         """Averages `params` (default: the model's shared parameters) under DHT prefix `prefix`; refusals are
         counted in `rejects` if given. `max_weight`: the most tokens one peer can have trained in one round
         (every reducer caps claimed weights at it); `gate`: a closed run's door check (sync.admission.Gate)."""
@@ -202,9 +215,9 @@ class SharedAverager:
         # hivemind's averager sets SIGINT to SIG_IGN in the *calling* process (meant for the forked child) and
         # never restores it, which would make the peer deaf to Ctrl-C: keep the handler it had.
         sigint = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-        # The shared averager may start as soon as the expected group is complete (sync.target_group_size);
-        # replicas of an expert set arrive straight from the shared all-reduce they left together, so a short
-        # matchmaking window suffices for them and no target (their count changes as peers come and go).
+        # An all-reduce may start as soon as the expected group is complete (sync.target_group_size: fixed, or
+        # by default the live peers seen at the round's start, set per round in all_reduce). Replicas of an
+        # expert set arrive straight from the shared all-reduce they left together: a short window suffices.
         shared = params is None
         matchmaking = cfg.matchmaking_time if shared else min(cfg.matchmaking_time, 5.0)
         # A peer behind NAT in client mode (sync.reach) averages as a hivemind client: it never leads a group,
@@ -213,18 +226,19 @@ class SharedAverager:
         self.averager = _CountingAverager(
             [p.detach().to("cpu", torch.float32).clone() for p in self.params], swarm.dht,
             prefix=prefix or f"{swarm.run_id}_shared", start=True, min_group_size=2,
-            target_group_size=(cfg.target_group_size or None) if shared else None,
+            target_group_size=cfg.target_group_size if shared and cfg.target_group_size >= 2 else None,
             min_matchmaking_time=matchmaking, request_timeout=min(3.0, matchmaking / 2),
             allreduce_timeout=cfg.round_timeout, next_chunk_timeout=min(10.0, cfg.round_timeout / 4),
             compression=self.compression, allow_state_sharing=shared and not client_mode, client_mode=client_mode,
             state_compression=CountingCompression(NoCompression(), self.wire), wire=self.wire,
-            gate=gate, rejects=rejects,
+            gate=gate, rejects=rejects, bandwidth=bandwidth,
             policy=AggregationPolicy(cfg.aggregation, max_weight, cfg.clip_factor, rejects),
         )
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)
         self.snapshot: list[torch.Tensor] | None = None
         self._control = None  # the running (or last) averaging step, for cancel_matchmaking
+        self._expected = 0  # the expected group size last set in the averager process
         # The last synchronized value of each tensor: a received result is judged by its change from the snapshot
         # against this peer's own change since then (check_result), as issue 9 asks.
         self.synced = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
@@ -259,9 +273,17 @@ class SharedAverager:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
 
-    def all_reduce(self, weight: float, timeout: float) -> int:
-        """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed."""
+    def all_reduce(self, weight: float, timeout: float, expected: int = 0) -> int:
+        """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed. `expected`:
+        the peers (this one included) that should join, as the records show them; with sync.target_group_size 0
+        a group this peer leads starts once that many joined."""
         control = None
+        if self.cfg.target_group_size == 0 and expected >= 2 and expected != self._expected:
+            try:
+                self.averager.set_expected_group_size(expected)
+                self._expected = expected
+            except Exception as e:  # the averager process is gone or busy: this round waits matchmaking_time
+                logger.debug(f"could not set the expected group size: {e!r}")
         try:
             control = self._control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
             # Bounded even if the averager process itself dies (its future would never resolve otherwise).

@@ -35,6 +35,8 @@ from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs, relay_client_o
 
 logger = get_logger(__name__)
 
+REJOIN_TIMEOUT = 1.5  # seconds per connect / ping of an initial peer while cut off (retried every poll)
+
 
 class SwarmError(RuntimeError):
     """Could not start or join the swarm; the message names the cause (bad multiaddr, unreachable peer, ...)."""
@@ -347,7 +349,7 @@ class Swarm:
         down for a while leaves none, and hivemind never bootstraps again), ping the initial peers to get back
         in, and publish this peer's record at once. Returns True when it re-joined now."""
         # Blocking: a caller must not see "reachable" while another thread is half-way through a re-join.
-        if not self._rejoin_lock.acquire(timeout=3 * PING_TIMEOUT):
+        if not self._rejoin_lock.acquire(timeout=PING_TIMEOUT):
             return False
         try:
             return self._rejoin_if_cut_off()
@@ -363,7 +365,10 @@ class Swarm:
             self._cut_off_since = now
             logger.warning("no DHT node reachable any more (link down?): trying to re-join through the run's "
                            "initial peers")
-        found = self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers)))
+        # Short attempts, one per poll: an attempt started while the link is still down must not delay the
+        # first one after it is back by a long timeout.
+        found = self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers),
+                                                         timeout=REJOIN_TIMEOUT))
         if not found:
             return False
         logger.info(f"re-joined the DHT through {found} initial peer(s), {now - self._cut_off_since:.0f}s after "

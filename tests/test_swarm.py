@@ -321,3 +321,12 @@ def test_a_lone_liar_cannot_trigger_early_rounds(swarm_factory):
     liar.swarm.publish(round=liar.sync.round_id + 1000)
     time.sleep(3 * peers[1].sync.progress.poll + 1)
     assert not any(p.sync.round_due(5) for p in peers[1:])  # the median of the others did not move
+
+
+def test_round_starts_once_every_live_peer_joined_not_after_the_matchmaking_window(swarm_factory):
+    cfg = _sync_cfg(matchmaking_time=30.0, round_timeout=60.0)  # target_group_size 0: the live peers
+    peers = [swarm_factory([e], cfg) for e in range(3)]
+    start = time.monotonic()
+    reports = _round_all(peers)
+    assert [r.group_size for r in reports] == [3, 3, 3], reports
+    assert time.monotonic() - start < cfg.matchmaking_time / 2, "the group waited for the matchmaking window"
