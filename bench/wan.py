@@ -14,6 +14,9 @@ and `--steps` local steps. Arms:
 - `mixed`: 3 public 100 Mbit/s peers + 1 home peer behind the NAT at 20 Mbit/s down / 5 Mbit/s up with
   `--use-auto-relay`; SPES, `sync.overlap=false`.
 - `spes_overlap`: as `spes` with the default `sync.overlap=true` (rounds run behind training), for blocked share.
+- `mixed_client`: as `mixed` with the home peer in `--client-mode` instead of `--use-auto-relay`.
+- `slow`: as `spes_overlap`, with p3 limited to `SLOW_CORES` CPU cores by a cgroup (tests/swarmlab.py
+  `CpuQuota`): a 3-4x slower machine. It is stopped when the fast peers finish; "steps" shows how far it got.
 
 Per peer per round: payload bytes sent / received (delta of the metrics.jsonl `bytes_sent` / `bytes_received`
 sums between the records where `rounds` advanced; `train.log_every=1`), the round's wall time and blocked time
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -48,14 +52,20 @@ SHAPE = {"model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 2, "m
 PUBLIC_MBIT = 100.0
 HOME_DOWN_MBIT, HOME_UP_MBIT = 20.0, 5.0
 QUARTERS = ["0-1", "2-3", "4-5", "6-7"]
+# CPU cores (a cgroup quota) of the `slow` arm's p3, with its DHT/averager/p2pd; the others share 2 cores, about
+# 0.45 each: p3 ends up 3-4x slower (the table reports the measured ratio of steps).
+SLOW_CORES = 0.13
 ARMS: dict[str, dict[str, Any]] = {
     "spes": {"experts": QUARTERS, "home": False, "overlap": False},
     "diloco": {"experts": ["all"] * 4, "home": False, "overlap": False},
-    "mixed": {"experts": QUARTERS, "home": True, "overlap": False},
+    "mixed": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False},
+    "mixed_client": {"experts": QUARTERS, "home": "--client-mode", "overlap": False},
     "spes_overlap": {"experts": QUARTERS, "home": False, "overlap": True},
+    "slow": {"experts": QUARTERS, "home": False, "overlap": True, "slow_cores": SLOW_CORES},
 }
 ROUND_RE = re.compile(r"round (\d+) applied at step (\d+): shared group (\d+), experts synced (\d+), "
                       r"missing (.*?), rejected .* ([\d.]+)s \(([\d.]+)s blocked\)$", re.M)
+STEP_RE = re.compile(r"\] step (\d+)/\d+ \|")
 BLOCKED_RE = re.compile(r"sync blocked the training loop ([\d.]+)s of ([\d.]+)s")
 MB = 1e6
 
@@ -92,9 +102,11 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict
                        "experts_synced": int(m.group(4)), "missing": m.group(5), "sent": sent, "received": recv,
                        "seconds": seconds, "blocked_s": blocked, "ideal_s": ideal,
                        "ratio": seconds / ideal if ideal else None})
+    steps = [int(x) for x in STEP_RE.findall(log)]
     bm = BLOCKED_RE.search(log)
     blocked, wall = (float(bm.group(1)), float(bm.group(2))) if bm else (None, None)
     return {"peer": name, "up_mbit": up, "down_mbit": down, "rc": proc.popen.poll(), "rounds": rounds,
+            "steps": max(steps, default=0),
             "blocked_s": blocked, "wall_s": wall, "blocked_share": blocked / wall if bm else None}
 
 
@@ -126,6 +138,7 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
             "train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1",
             "train.warmup_steps=2", *(extra_sets or [])]
         procs = {}
+        quota = None
         env = {**os.environ, **THREADS}
         for (name, _), experts in zip(links.items(), spec["experts"]):
             ip = lab.nodes[name].ip
@@ -136,15 +149,26 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
             for s in sets:
                 argv += ["--set", s]
             if name == "home":
-                argv.append("--use-auto-relay")
+                argv.append(spec["home"])
             procs[name] = lab.python(name, *argv, name=f"peer-{name}", env=env)
+            if spec.get("slow_cores") and name == "p3":
+                from tests.swarmlab import CpuQuota
+                quota = CpuQuota(f"spes-wan-slow-{lab.lab_id}", spec["slow_cores"])
+                quota.add(procs[name].pid)  # before it forks its DHT and averager: they inherit the limit
         deadline = time.monotonic() + timeout
-        for name, proc in procs.items():
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception:
-                logger.warning(f"{arm}: peer {name} still running after {timeout:.0f}s; killing it\n"
-                               f"{proc.log_tail(15)}")
+        try:
+            for name, proc in procs.items():
+                if quota is not None and name == "p3":
+                    # The slow peer never reaches --steps in time: stop it when the fast ones are done.
+                    proc.popen.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except Exception:
+                    logger.warning(f"{arm}: peer {name} still running after {timeout:.0f}s; killing it\n"
+                                   f"{proc.log_tail(15)}")
+        finally:
+            if quota is not None:
+                quota.close()
         peers = [_peer_result(name, proc, lab.workdir / f"run-{name}", *links[name])
                  for name, proc in procs.items()]
         for p, (name, proc) in zip(peers, procs.items()):
@@ -173,14 +197,14 @@ def tables(results: list[dict[str, Any]]) -> str:
             drain = (100 * (p["blocked_s"] - p["rounds"][-1]["blocked_s"]) / p["wall_s"]
                      if r["overlap"] and p["rounds"] and p["wall_s"] else None)
             ratios = [rd["ratio"] for rd in p["rounds"][1:] if rd["ratio"] is not None]  # round 1: joins, skew
-            summary.append([label, p["peer"], link, len(p["rounds"]),
+            summary.append([label, p["peer"], link, p.get("steps", "-"), len(p["rounds"]),
                             sum(rd["group"] == 4 for rd in p["rounds"]),
                             _fmt(statistics.median(ratios) if ratios else None, ".2f"),
                             _fmt(p["blocked_s"], ".2f"), _fmt(p["wall_s"], ".1f"),
                             _fmt(p["blocked_share"] and 100 * p["blocked_share"], ".1f"), _fmt(drain, ".1f")])
     head = ["arm", "peer", "link Mbit/s", "round", "group", "experts synced", "sent MB", "recv MB", "round s",
             "ideal s", "ratio", "blocked s"]
-    shead = ["arm", "peer", "link Mbit/s", "rounds", "rounds in group of 4", "median ratio (rounds 2+)", "blocked s",
+    shead = ["arm", "peer", "link Mbit/s", "steps", "rounds", "rounds in group of 4", "median ratio (rounds 2+)", "blocked s",
              "wall s", "blocked %", "blocked % w/o final drain"]
     r0 = results[0] if results else {"steps": "?", "every": "?"}
     shape = ", ".join(f"{k.split('.')[1]} {v}" for k, v in SHAPE.items())

@@ -260,9 +260,9 @@ class SparseSync(ExpertFetching):
         others = self._others(records)
         if not others:  # alone, or cut off from the run? Only asked here, off the training thread (a ping).
             # Just re-joined after a cut: the others' records may not have reached this peer yet (ttl to be sure).
-            self.swarm.rejoin_if_cut_off()
+            reachable = self.swarm.reachable()
             rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl
-            report.cut_off = rejoined or not self.swarm.reachable()
+            report.cut_off = rejoined or not reachable
         means = early.result() if early is not None else {}
         if not others or not average or self._leaving:
             return records, means

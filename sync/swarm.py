@@ -339,6 +339,12 @@ class Swarm:
         if not self.initial_peers:
             return True
         try:
+            with self._rejoin_lock:
+                if self.dht.run_coroutine(dht_neighbours) == 0:
+                    # No DHT node known: cut off until a moment ago at best. Re-join if the link is back (records
+                    # of the others reach this peer only after that), but do not call it reachable yet.
+                    self._rejoin_if_cut_off()
+                    return False
             return self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers))) > 0
         except Exception as e:  # the DHT process is stopping or wedged: not reachable, as far as we can tell
             logger.debug(f"reachability check failed: {e!r}")
