@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -117,6 +118,8 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
 
     spec = ARMS[arm]
     t0 = time.monotonic()
+    # Fresh run dirs: peers would resume the checkpoints an earlier invocation left there.
+    shutil.rmtree(work / arm, ignore_errors=True)
     with NetLab(workdir=work / arm) as lab:
         boot_node = lab.add_public("boot")
         links: dict[str, tuple[float, float]] = {}

@@ -162,7 +162,8 @@ class PeerNode:
 
     def _finish(self, trainer: Trainer) -> None:
         start = time.perf_counter()
-        self._log_round(self.sync.finish_round(block=True), trainer)
+        # The last round gets matchmaking_time + 5 s to find its group (peers that finished first are gone).
+        self._log_round(self.sync.drain(self.cfg.sync.matchmaking_time + 5.0), trainer)
         self.blocked_seconds += time.perf_counter() - start
         wall = time.perf_counter() - self._started
         logger.info(f"[{self.cfg.run_id} {self.short_id}] sync blocked the training loop {self.blocked_seconds:.2f}s "

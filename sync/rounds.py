@@ -124,7 +124,9 @@ class SparseSync(ExpertFetching):
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
         self._pending: _Pending | None = None
         self._leaving = False  # set by leave_soon(): no new round, the pending one stops looking for a group
+        self._give_up_at = math.inf  # set by drain(): when the pending round stops looking for a group
         self.progress = SwarmProgress(swarm, poll=min(1.0, cfg.matchmaking_time / 4))
+        self._last_round_seconds, self._last_applied_at = 0.0, 0.0  # of the last applied round (round_due)
         self.ownership = Ownership(swarm, self.max_owned, model.owned_experts)
         # Replicas: peers owning exactly the same experts all-reduce them with a second averager (the DiLoCo
         # case: everyone owns everything); created lazily, re-created when ownership changes.
@@ -180,12 +182,17 @@ class SparseSync(ExpertFetching):
     # ---- rounds -------------------------------------------------------------------------------------------
 
     def round_due(self, steps_since_round: int) -> bool:
-        """Start a round now? After `sync.every` local steps, or earlier (but after at least every/10 steps)
-        when the other peers' median round is already past this peer's: it is slower than them, and joins the
-        round they are in with the tokens it trained (sync.progress)."""
+        """Start a round now? After `sync.every` local steps, or earlier (but after at least every/10 steps, and
+        after training at least as long as its last round took) when the other peers' median round is already
+        past this peer's: it is slower than them, and joins the round they are in with the tokens it trained
+        (sync.progress)."""
         if steps_since_round >= self.cfg.every:
             return True
         if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
+            return False
+        if time.monotonic() - self._last_applied_at < self._last_round_seconds:
+            # Its rounds are link-bound (a slow uplink: the last one took longer than it has trained since):
+            # joining earlier would only make it sync after every step. It keeps the every-H pace.
             return False
         swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5)
         return swarm_round is not None and swarm_round > self.round_id
@@ -369,6 +376,7 @@ class SparseSync(ExpertFetching):
         now = time.perf_counter()
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
+        self._last_round_seconds, self._last_applied_at = report.seconds, time.monotonic()
         return report
 
     def _wait(self, future: concurrent.futures.Future) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
@@ -383,11 +391,21 @@ class SparseSync(ExpertFetching):
             except concurrent.futures.TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-            if self._leaving and not cancelled:
+            if (self._leaving or time.monotonic() > self._give_up_at) and not cancelled:
                 cancelled = True
                 averagers = [self.shared] + ([self._expert_avg] if self._expert_avg is not None else [])
                 if any([avg.cancel_matchmaking() for avg in averagers]):
-                    logger.info("leaving: stopped looking for an averaging group for this round")
+                    logger.info("stopped looking for an averaging group for this round (leaving, or last step done)")
+
+    def drain(self, grace: float) -> RoundReport | None:
+        """The last step is done: finish the pending round, but stop looking for a group after `grace` seconds
+        (the others may have finished their last round and left; hivemind would look for the whole
+        round_timeout). An all-reduce already running is still awaited."""
+        self._give_up_at = time.monotonic() + grace
+        try:
+            return self.finish_round(block=True)
+        finally:
+            self._give_up_at = math.inf
 
     def leave_soon(self) -> None:
         """The peer is stopping (safe to call from a signal handler: it only sets a flag). The pending round

@@ -239,6 +239,7 @@ class SharedAverager:
         self.snapshot: list[torch.Tensor] | None = None
         self._control = None  # the running (or last) averaging step, for cancel_matchmaking
         self._expected = 0  # the expected group size last set in the averager process
+        self.refusals: list[tuple[int, tuple[int, ...], float]] = []
         # The last synchronized value of each tensor: a received result is judged by its change from the snapshot
         # against this peer's own change since then (check_result), as issue 9 asks.
         self.synced = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
@@ -321,13 +322,16 @@ class SharedAverager:
         short = self.max_weight / max(tokens, 1.0) if math.isfinite(self.max_weight) else 1.0
         scale = self.cfg.max_delta_ratio * max(1.0, short)
         accepted = []
-        for avg, snap, own_t, ref_t in zip(averaged, self.snapshot, own, ref):
+        self.refusals = []  # (tensor index, shape, change / allowed) of the last check, for the log line
+        for i, (avg, snap, own_t, ref_t) in enumerate(zip(averaged, self.snapshot, own, ref)):
             change = float(torch.linalg.vector_norm(avg - snap))
+            allowed = scale * max(own_t, rel * ref_t, 1e-8)
             if not math.isfinite(change):
                 self._reject("nonfinite")
                 accepted.append(False)
-            elif change > scale * max(own_t, rel * ref_t, 1e-8):
+            elif change > allowed:
                 self._reject("delta")
+                self.refusals.append((i, tuple(avg.shape), change / allowed))
                 accepted.append(False)
             else:
                 accepted.append(True)
@@ -356,8 +360,10 @@ class SharedAverager:
                 synced.copy_(target)
         refused = accepted.count(False)
         if refused:
+            worst = ", ".join(f"#{i} {list(shape)} {ratio:.1f}x" for i, shape, ratio in
+                              sorted(self.refusals, key=lambda r: -r[2])[:3])
             logger.warning(f"refused {refused} of {len(accepted)} averaged tensors: out of proportion to this "
-                           f"peer's own change (kept local values)")
+                           f"peer's own change (kept local values); worst: {worst or 'non-finite'}")
         return refused
 
     def reset_reference(self) -> None:
