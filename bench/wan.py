@@ -15,6 +15,7 @@ and `--steps` local steps. Arms:
   `--use-auto-relay`; SPES, `sync.overlap=false`.
 - `spes_overlap`: as `spes` with the default `sync.overlap=true` (rounds run behind training), for blocked share.
 - `mixed_client`: as `mixed` with the home peer in `--client-mode` instead of `--use-auto-relay`.
+- `mixed_bw`: as `mixed`, the home peer telling its uplink (`--set network.upload_mbit=5`: its all-reduce share).
 - `slow`: as `spes_overlap`, with p3 limited to `SLOW_CORES` CPU cores by a cgroup (tests/swarmlab.py
   `CpuQuota`): a 3-4x slower machine. It is stopped when the fast peers finish; "steps" shows how far it got.
 
@@ -61,6 +62,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "diloco": {"experts": ["all"] * 4, "home": False, "overlap": False},
     "mixed": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False},
     "mixed_client": {"experts": QUARTERS, "home": "--client-mode", "overlap": False},
+    "mixed_bw": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False,
+                 "home_sets": [f"network.upload_mbit={HOME_UP_MBIT:g}"]},
     "spes_overlap": {"experts": QUARTERS, "home": False, "overlap": True},
     "slow": {"experts": QUARTERS, "home": False, "overlap": True, "slow_cores": SLOW_CORES},
 }
@@ -153,6 +156,8 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
                 argv += ["--set", s]
             if name == "home":
                 argv.append(spec["home"])
+                for extra in spec.get("home_sets", []):
+                    argv += ["--set", extra]
             procs[name] = lab.python(name, *argv, name=f"peer-{name}", env=env)
             if spec.get("slow_cores") and name == "p3":
                 from tests.swarmlab import CpuQuota
