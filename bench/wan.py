@@ -68,7 +68,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "slow": {"experts": QUARTERS, "home": False, "overlap": True, "slow_cores": SLOW_CORES},
 }
 ROUND_RE = re.compile(r"round (\d+) applied at step (\d+): shared group (\d+), experts synced (\d+), "
-                      r"missing (.*?), rejected .* ([\d.]+)s \(([\d.]+)s blocked\)$", re.M)
+                      r"missing (.*?), rejected .* ([\d.]+)s \(([\d.]+)s blocked\)(?: \[([^\]]*)\])?$", re.M)
 STEP_RE = re.compile(r"\] step (\d+)/\d+ \|")
 BLOCKED_RE = re.compile(r"sync blocked the training loop ([\d.]+)s of ([\d.]+)s")
 MB = 1e6
@@ -91,6 +91,36 @@ def _metric_rounds(metrics_path: Path) -> dict[int, tuple[int, int]]:
     return out
 
 
+def _timing(text: Optional[str]) -> dict[str, float]:
+    """The round line's "[publish 0.05s, group 1.20s, ...]" breakdown as {phase: seconds}."""
+    return {k: float(v) for k, v in re.findall(r"([\w-]+) ([\d.]+)s", text or "")}
+
+
+def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
+    """Per arm, over rounds 2+ that all 4 peers completed in one group: the median ratio of all peers, of the
+    peer whose arrival completed the group (the shortest 'group' wait: from its start the round is pure
+    matchmaking + transfer), and the median seconds the others waited for that last arrival."""
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for p in r["peers"]:
+        for rd in p["rounds"]:
+            by_round.setdefault(rd["round"], []).append(rd)
+    all_ratios, last_ratios, last_group, skews = [], [], [], []
+    for rid, rds in sorted(by_round.items()):
+        if rid < 2 or len(rds) < 4 or any(rd["group"] < 4 or rd["ratio"] is None or "group" not in rd.get("timing", {})
+                                          for rd in rds):
+            continue
+        last = min(rds, key=lambda rd: rd["timing"]["group"])
+        all_ratios += [rd["ratio"] for rd in rds]
+        last_ratios.append(last["ratio"])
+        last_group.append(last["timing"]["group"])
+        skews += [rd["timing"]["group"] - last["timing"]["group"] for rd in rds if rd is not last]
+    if not last_ratios:
+        return None
+    med = statistics.median
+    return [" ".join([r["arm"], *r.get("sets", [])]), len(last_ratios), f"{med(all_ratios):.2f}",
+            f"{med(last_ratios):.2f}", f"{med(last_group):.2f}", f"{med(skews):.2f}"]
+
+
 def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict[str, Any]:
     log = proc.log_path.read_text(errors="replace")
     by_round = _metric_rounds(run_dir / "metrics.jsonl")
@@ -105,7 +135,7 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict
         rounds.append({"round": rid, "step": int(m.group(2)), "group": int(m.group(3)),
                        "experts_synced": int(m.group(4)), "missing": m.group(5), "sent": sent, "received": recv,
                        "seconds": seconds, "blocked_s": blocked, "ideal_s": ideal,
-                       "ratio": seconds / ideal if ideal else None})
+                       "ratio": seconds / ideal if ideal else None, "timing": _timing(m.group(8))})
     steps = [int(x) for x in STEP_RE.findall(log)]
     bm = BLOCKED_RE.search(log)
     blocked, wall = (float(bm.group(1)), float(bm.group(2))) if bm else (None, None)
@@ -115,7 +145,7 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict
 
 
 def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
-            extra_sets: Optional[list[str]] = None) -> dict[str, Any]:
+            extra_sets: Optional[list[str]] = None, slow_cores: float = SLOW_CORES) -> dict[str, Any]:
     """One arm in a fresh NetLab; returns its per-peer results (everything is torn down afterwards)."""
     from tests.netlab import NetLab
 
@@ -161,7 +191,7 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
             procs[name] = lab.python(name, *argv, name=f"peer-{name}", env=env)
             if spec.get("slow_cores") and name == "p3":
                 from tests.swarmlab import CpuQuota
-                quota = CpuQuota(f"spes-wan-slow-{lab.lab_id}", spec["slow_cores"])
+                quota = CpuQuota(f"spes-wan-slow-{lab.lab_id}", slow_cores)
                 quota.add(procs[name].pid)  # before it forks its DHT and averager: they inherit the limit
         deadline = time.monotonic() + timeout
         try:
@@ -182,6 +212,8 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
         for p, (name, proc) in zip(peers, procs.items()):
             if p["rc"] != 0:
                 logger.warning(f"{arm}: peer {name} rc={p['rc']}:\n{proc.log_tail(20)}")
+    if spec.get("slow_cores"):
+        spec = {**spec, "slow_cores": slow_cores}
     return {"arm": arm, **spec, "steps": steps, "every": every, "sets": extra_sets or [],
             "seconds": time.monotonic() - t0, "peers": peers}
 
@@ -214,10 +246,15 @@ def tables(results: list[dict[str, Any]]) -> str:
             "ideal s", "ratio", "blocked s"]
     shead = ["arm", "peer", "link Mbit/s", "steps", "rounds", "rounds in group of 4", "median ratio (rounds 2+)", "blocked s",
              "wall s", "blocked %", "blocked % w/o final drain"]
+    arms = [row for row in (_arm_summary(r) for r in results) if row]
+    ahead = ["arm", "rounds (2+, all 4 in one group)", "median ratio, all peers", "median ratio, last arrival",
+             "last arrival's group wait s", "others' wait for it s"]
     r0 = results[0] if results else {"steps": "?", "every": "?"}
     shape = ", ".join(f"{k.split('.')[1]} {v}" for k, v in SHAPE.items())
     return (f"bench.wan: 4 peers, H = {r0['every']}, {r0['steps']} steps; shape tiny.yaml with {shape}\n\n"
-            f"Per peer per round:\n\n{format_table(head, rows)}\n\nPer peer:\n\n{format_table(shead, summary)}\n")
+            f"Per peer per round:\n\n{format_table(head, rows)}\n\nPer peer:\n\n{format_table(shead, summary)}\n"
+            + (f"\nPer arm (the last arrival's round is matchmaking + transfer only; the others' rounds also hold "
+               f"their wait for it):\n\n{format_table(ahead, arms)}\n" if arms else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm-timeout", type=float, default=240.0, help="seconds before an arm's peers are killed")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
                    help="extra peer.run --set for every peer of every arm (e.g. sync.target_group_size=4)")
+    p.add_argument("--slow-cores", type=float, default=SLOW_CORES,
+                   help="CPU cores (cgroup quota) of the `slow` arm's p3")
     p.add_argument("--tables-only", action="store_true", help="re-print the tables of --out/results.json")
     p.add_argument("--out", default="bench/results/wan", help="where results.json and table.md go")
     p.add_argument("--work-dir", default="bench/out/wan", help="arm logs and run dirs")
@@ -254,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for arm in arms:
         logger.info(f"arm {arm}: starting")
-        results.append(run_arm(arm, args.steps, args.every, args.arm_timeout, work, args.sets))
+        results.append(run_arm(arm, args.steps, args.every, args.arm_timeout, work, args.sets, args.slow_cores))
         logger.info(f"arm {arm}: done in {results[-1]['seconds']:.0f}s")
         (out / "results.json").write_text(json.dumps({"shape": SHAPE, "arms": results}, indent=1))
     text = tables(results)

@@ -197,7 +197,8 @@ class PeerNode:
                     f"adopted {report.adopted or 'none'}{f', gave back {report.given_back}' if report.given_back else ''}"
                     f"{', re-downloaded' if report.redownloaded else ''}"
                     f"{f', merged (alpha {report.merge_alpha:.4f})' if report.merge_alpha else ''}, "
-                    f"{report.seconds:.2f}s ({report.blocked_seconds:.2f}s blocked)")
+                    f"{report.seconds:.2f}s ({report.blocked_seconds:.2f}s blocked)"
+                    + (" [" + ", ".join(f"{k} {v:.2f}s" for k, v in report.timing.items()) + "]" if report.timing else ""))
 
     def run(self) -> None:
         self.trainer.run()

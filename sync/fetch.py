@@ -31,6 +31,20 @@ Snapshot = dict[str, torch.Tensor]
 _ROUNDING = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
 
 
+class _Fetch:
+    """One running fetch of an expert copy from one owner."""
+
+    def __init__(self, future: concurrent.futures.Future, timeout: float, started: float) -> None:
+        self.future, self.timeout, self.started = future, timeout, started
+        self.finished: float | None = None
+
+    def done_at(self) -> None:
+        self.finished = time.monotonic()
+
+    def elapsed(self) -> float:
+        return (self.finished if self.finished is not None else time.monotonic()) - self.started
+
+
 class ExpertFetching:
     """Mixin of SparseSync: fetch, validate and aggregate the owners' copies of experts; download the swarm's
     state (shared tensors from up to 3 verified sources, experts from their owners) when joining or behind."""
@@ -75,64 +89,83 @@ class ExpertFetching:
 
     def _fetch_means(self, others: dict[str, PeerRecord], want: set[int], own_snapshots: dict[int, Snapshot],
                      rel_change: float | None = None) -> dict[int, Snapshot]:
-        """Aggregate of the owners' copies (validated) for each wanted expert that other peers own; an expert
-        whose every remote copy is missing or refused is left out (it keeps its local value).
+        """Fetch and aggregate now (blocking, joining or behind): the owners' copies of each wanted expert that
+        other peers own, validated; an expert whose every remote copy is missing or refused is left out."""
+        owners = self._start_fetches(others, want)
+        longest = max((f.timeout for key, f in self._inflight.items() if key[0] in owners), default=0.0)
+        return self._collect_means(owners, own_snapshots, rel_change, deadline=time.monotonic() + longest + 5)
+
+    def _start_fetches(self, others: dict[str, PeerRecord], want: set[int]) -> dict[int, list[str]]:
+        """Ask every live owner of each wanted expert for its copy of this round (one stream per owner and
+        expert), unless a fetch of that expert from that owner is still running (a slow owner's transfer of an
+        earlier round: its copy is used when it arrives, never asked twice). An owner one round behind may serve
+        its previous round's copy. Returns the owners asked per expert."""
+        owners: dict[int, list[str]] = {}
+        for record in others.values():
+            for expert in record.experts:
+                # An owner that let a fetch time out is skipped for 2, 4, 8.. rounds, then retried with a short
+                # timeout: a claimed owner that never serves costs one timeout, not one per round.
+                if expert not in want or self._retry_at.get(record.peer_id, 0) > self.round_id:
+                    continue
+                owners.setdefault(expert, []).append(record.peer_id)
+                key = (expert, record.peer_id)
+                if key in self._inflight:
+                    continue
+                timeout = self._fetch_timeout(record.peer_id)
+                # An owner that is behind serves the newest round it has; one round of staleness is expected.
+                future = self.exchange.fetch_async(PeerID.from_base58(record.peer_id), expert, self.round_id,
+                                                   timeout=timeout, min_round=min(self.round_id, record.round))
+                fetch = _Fetch(future, timeout, time.monotonic())
+                future.add_done_callback(lambda f, fetch=fetch: fetch.done_at())
+                self._inflight[key] = fetch
+        return owners
+
+    def _collect_means(self, owners: dict[int, list[str]], own_snapshots: dict[int, Snapshot],
+                       rel_change: float | None, deadline: float) -> dict[int, Snapshot]:
+        """Wait until `deadline` for the fetches of `owners`, then aggregate every finished copy (late ones of
+        earlier rounds included) per expert; fetches still running stay in flight for a later round.
 
         `rel_change` (this peer's own relative change this round; None when joining, where there is no
         synchronized value to compare with): a copy whose change from the last synchronized value exceeds
         sync.max_delta_ratio x that (x rounds since the expert last synchronized) is refused as "delta"."""
-        owners: dict[int, list[PeerRecord]] = {}
-        for record in others.values():
-            for expert in record.experts:
-                if expert in want:
-                    owners.setdefault(expert, []).append(record)
-        futures, finished_at = {}, {}
-        started = time.monotonic()
-        for expert, records in list(owners.items()):
-            # An owner that let a fetch time out is skipped for 2, 4, 8.. rounds, then retried with a short
-            # timeout: a claimed owner that never serves costs one timeout, not one per round.
-            records = [r for r in records if self._retry_at.get(r.peer_id, 0) <= self.round_id]
-            owners[expert] = records
-            for record in records:
-                timeout = self._fetch_timeout(record.peer_id)
-                # An owner that is behind serves the newest round it has; one round of staleness is expected.
-                round_id = min(self.round_id, record.round)
-                future = self.exchange.fetch_async(PeerID.from_base58(record.peer_id), expert, round_id,
-                                                   timeout=timeout)
-                future.add_done_callback(lambda f, key=(expert, record.peer_id): finished_at.setdefault(key, time.monotonic()))
-                futures[(expert, record.peer_id)] = (future, timeout)
-        longest = max((t for _, t in futures.values()), default=0.0)
-        concurrent.futures.wait([f for f, _ in futures.values()], timeout=longest + 5)
-        means = {}
-        for expert in sorted(owners):
+        waiting = [self._inflight[(e, p)].future for e, peers in owners.items() for p in peers
+                   if (e, p) in self._inflight]
+        concurrent.futures.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
+        received: dict[int, list[tuple[int, Snapshot]]] = {}
+        for key in [k for k, f in self._inflight.items() if f.future.done()]:
+            expert, peer_id = key
+            fetch = self._inflight.pop(key)
+            copy = fetch.future.result() if not fetch.future.cancelled() and not fetch.future.exception() else None
+            self._note_serving(peer_id, copy is not None or fetch.elapsed() < 0.8 * fetch.timeout)
+            if copy is None or expert not in owners:
+                continue  # unavailable, or a late copy of an expert no longer wanted here
             reference = own_snapshots.get(expert) or self.model.expert_tensors(expert)
             synced = self._expert_synced.get(expert) if expert in own_snapshots else self.model.expert_tensors(expert)
-            copies = [own_snapshots[expert]] if expert in own_snapshots else []
-            fresh = 0
-            for record in owners[expert]:
-                future, timeout = futures[(expert, record.peer_id)]
-                received = future.result() if future.done() and not future.exception() else None
-                elapsed = finished_at.get((expert, record.peer_id), time.monotonic()) - started
-                self._note_serving(record.peer_id, received is not None or elapsed < 0.8 * timeout)
-                if received is None:
-                    continue
-                tensors, reason = validate_tensors(received, reference, max_norm_ratio=self.cfg.max_norm_ratio)
-                if tensors is None and reason is not None:
-                    self.rejects.add(reason)
-                elif rel_change is not None and synced is not None and not self._change_ok(expert, tensors, synced,
-                                                                                           rel_change):
-                    tensors, reason = None, "delta"
-                    self.rejects.add(reason)
-                if tensors is None:
-                    logger.warning(f"refused expert {expert} from peer ...{record.peer_id[-6:]}: {reason}")
-                    continue
-                copies.append(tensors)
-                fresh += 1
-            if fresh:
-                if len(copies) >= 3:
-                    means[expert] = robust_mean(copies, self.cfg.clip_factor)
-                else:
-                    means[expert] = {n: torch.stack([c[n].float() for c in copies]).mean(dim=0) for n in reference}
+            tensors, reason = validate_tensors(copy, reference, max_norm_ratio=self.cfg.max_norm_ratio)
+            if tensors is None and reason is not None:
+                self.rejects.add(reason)
+            elif rel_change is not None and synced is not None and not self._change_ok(expert, tensors, synced,
+                                                                                       rel_change):
+                tensors, reason = None, "delta"
+                self.rejects.add(reason)
+            if tensors is None:
+                logger.warning(f"refused expert {expert} from peer ...{peer_id[-6:]}: {reason}")
+                continue
+            received.setdefault(expert, []).append((getattr(copy, "round", self.round_id), tensors))
+        means = {}
+        for expert, copies in received.items():
+            # Only the newest copies count (a slow owner's late copy of an earlier round is used alone only when
+            # nothing newer arrived); a co-owner's copy more than one round old is not averaged with this round's.
+            newest = max(r for r, _ in copies)
+            if expert in own_snapshots and newest < self.round_id - 1:
+                continue
+            tensors_list = ([own_snapshots[expert]] if expert in own_snapshots else []) + [t for r, t in copies
+                                                                                           if r == newest]
+            names = list(tensors_list[-1])
+            if len(tensors_list) >= 3:
+                means[expert] = robust_mean(tensors_list, self.cfg.clip_factor)
+            else:
+                means[expert] = {n: torch.stack([c[n].float() for c in tensors_list]).mean(dim=0) for n in names}
         return means
 
     def _change_ok(self, expert: int, tensors: Snapshot, synced: Snapshot, rel_change: float) -> bool:

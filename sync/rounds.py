@@ -57,6 +57,7 @@ class RoundReport:
     experts_missing: list[int] = field(default_factory=list)  # owned elsewhere, but no usable copy arrived
     rejected: int = 0
     peers_seen: int = 1                 # live peers in the run's records (this one included)
+    expected: int = 1                   # of which the all-reduce waits for (_expected_group)
     expert_group_size: int = 0          # peers in the owned-experts all-reduce (0: not run)
     adopted: list[int] = field(default_factory=list)
     given_back: list[int] = field(default_factory=list)  # adopted experts returned to their owner (it is back)
@@ -64,6 +65,9 @@ class RoundReport:
     redownloaded: bool = False
     merge_alpha: float = 0.0            # > 0 when this round applied the expert-merging warm-up
     seconds: float = 0.0                # wall time from start to apply
+    # Where the round's wall time went (seconds): snapshot + publish, group forming and all-reduce of the shared
+    # tensors, expert fetches still running after it, applying. Logged with the round line, for tuning.
+    timing: dict[str, float] = field(default_factory=dict)
     blocked_seconds: float = 0.0        # of which the training loop waited
 
 
@@ -76,6 +80,19 @@ class _Pending:
     behind: bool = False
     step: int = 0
     weight: int = 0                     # tokens this peer trained since the previous round
+
+
+# Bytes per value of an expert copy on the wire, per sync.compression (8-bit: 1 byte + a small codebook).
+_WIRE_BYTES = {"none": 4, "fp16": 2, "8bit": 1}
+
+
+def _expected_group(others: dict[str, PeerRecord], round_id: int) -> int:
+    """How many peers (this one included) a round's all-reduce waits for: the others whose records show this
+    round or one of the two before (records are read up to a poll or two late, and a peer stores its new round
+    while its round already runs). A peer further behind is in a long round of its own (a slow uplink: its
+    rounds are link-bound) or about to re-download the state; waiting matchmaking_time for it every round would
+    make every round as slow as the slowest link. It still joins whatever group is forming when it arrives."""
+    return 1 + sum(r.round >= round_id - 2 for r in others.values())
 
 
 def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
@@ -116,6 +133,7 @@ class SparseSync(ExpertFetching):
         self._expert_synced: dict[int, Snapshot] = {}
         self._stale: dict[int, int] = {}
         self._strikes: dict[str, int] = {}
+        self._inflight: dict = {}  # (expert, owner) -> its running fetch (sync/fetch.py): asked once, used when it arrives
         self._retry_at: dict[str, int] = {}  # round from which a struck owner is asked again
         self.rounds_alone = 0
         self.rollbacks = 0
@@ -171,12 +189,15 @@ class SparseSync(ExpertFetching):
                                for e in self.model.owned_experts}
         self._stale = {}
 
-    def _publish(self, step: int, tokens: int) -> dict[int, Snapshot]:
+    def _publish(self, step: int, tokens: int, record: bool = True) -> dict[int, Snapshot]:
+        """Snapshot the owned experts and serve them for this round; `record`: also store the DHT record now
+        (a round stores it from its network thread instead, off the training loop's critical path)."""
         snapshots = {}
         for expert in sorted(self.model.owned_experts):
             snapshots[expert] = {k: v.detach().to("cpu").clone() for k, v in self.model.expert_tensors(expert).items()}
             self.exchange.publish(self.round_id, expert, snapshots[expert])
-        self.swarm.publish(experts=sorted(self.model.owned_experts), round=self.round_id, step=step, tokens=tokens)
+        if record:
+            self.swarm.publish(experts=sorted(self.model.owned_experts), round=self.round_id, step=step, tokens=tokens)
         return snapshots
 
     # ---- rounds -------------------------------------------------------------------------------------------
@@ -212,9 +233,12 @@ class SparseSync(ExpertFetching):
         self.round_id += 1
         report = RoundReport(self.round_id)
         self.shared.take_snapshot()
-        own = self._publish(step, tokens)
+        own = self._publish(step, tokens, record=False)
+        # A fresh read, not the progress reader's last one: a peer that joined within the last poll would be
+        # missing from the expected group, which would then start without it and leave it averaging alone.
         others = self._others()
         report.peers_seen = len(others) + 1
+        report.expected = _expected_group(others, self.round_id)
         replicated = any(set(r.experts) == set(own) for r in others.values())
         expert_avg = self._expert_averager(own, replicated)
         behind = bool(others) and median_round(others.values()) > self.round_id + 1
@@ -222,6 +246,11 @@ class SparseSync(ExpertFetching):
         # its tensors less than the others changed theirs: scale its yardstick up, as SharedAverager.check_result.
         short = self.max_weight / max(tokens_since_last, 1) if math.isfinite(self.max_weight) else 1.0
         rel_change = self._relative_change(own) * max(1.0, short)
+        report.timing["publish"] = time.perf_counter() - started
+        # The record with the new round is stored concurrently (a DHT store waits for its replicas); fetchers ask
+        # the exchange for this round directly and owners serve it from now on.
+        record = dict(experts=sorted(own), round=self.round_id, step=step, tokens=tokens)
+        _run_in_daemon_thread(lambda: self.swarm.publish(**record))
         future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last,
                                        bool(others) and not behind, expert_avg, rel_change,
                                        {} if replicated else others)
@@ -246,21 +275,15 @@ class SparseSync(ExpertFetching):
                       expert_avg: SharedAverager | None,
                       rel_change: float | None = None, others_at_start: dict[str, PeerRecord] | None = None,
                       ) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
-        early, early_experts = None, set()
-        if average and others_at_start:
-            # While the all-reduce runs, fetch the experts whose every owner already started this round (their
-            # snapshots for it are published): both transfers then share the link instead of taking turns.
-            owners: dict[int, list[PeerRecord]] = {}
-            for record in others_at_start.values():
-                for expert in record.experts:
-                    owners.setdefault(expert, []).append(record)
-            early_experts = {e for e, rs in owners.items() if all(r.round >= self.round_id for r in rs)}
-            if early_experts:
-                early = _run_in_daemon_thread(self._fetch_means, others_at_start, early_experts, own, rel_change)
+        want = set(range(self.model.cfg.num_experts))
         rejected_before = self.rejects.total()
+        # The all-reduce runs first, on a link that carries nothing else, and the expert copies follow it: on
+        # rate-limited links with router queues, transfers that overlap the all-reduce (or the matchmaking) made
+        # both slower than the same bytes one after the other (docs/DESIGN.md, "Bandwidth-aware rounds").
         if average:
             report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout,
-                                                              expected=report.peers_seen))
+                                                              expected=report.expected))
+            report.timing.update({k: v for k, v in self.shared.last_timing.items() if k in ("group", "all-reduce")})
         # Read the records after the all-reduce: by then every peer of the group has published this round.
         records = self.swarm.peers()
         self._forget_strikes_of_gone(records)
@@ -270,22 +293,37 @@ class SparseSync(ExpertFetching):
             reachable = self.swarm.reachable()
             rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl
             report.cut_off = rejoined or not reachable
-        means = early.result() if early is not None else {}
         if not others or not average or self._leaving:
-            return records, means
-        want = set(range(self.model.cfg.num_experts))
+            return records, {}
+        waited = time.perf_counter()
         replicas = sum(set(r.experts) == set(own) for r in others.values())
         if expert_avg is not None and replicas:
             report.expert_group_size = expert_avg.all_reduce(weight, timeout=self.cfg.round_timeout,
                                                              expected=replicas + 1)
             if report.expert_group_size > 1:
                 want -= set(own)  # averaged with the replicas already: nothing to fetch for them
-        means.update(self._fetch_means(others, want - early_experts, own, rel_change))
+        owners = self._start_fetches(others, want)
+        deadline = time.monotonic() + self._expert_grace(owners, own)
+        means = self._collect_means(owners, own, rel_change, deadline=deadline)
+        report.timing["experts"] = time.perf_counter() - waited
         report.rejected = self.rejects.total() - rejected_before
         owned_elsewhere = {e for r in others.values() for e in r.experts} & want
         report.experts_synced = sorted(set(means) | (set(own) - want))
         report.experts_missing = sorted(owned_elsewhere - set(means))
         return records, means
+
+    def _expert_grace(self, owners: dict[int, list[str]], own: dict[int, Snapshot]) -> float:
+        """Seconds to wait for this round's expert copies: twice what their bytes take at the rate this peer's
+        all-reduce just achieved, plus 1 s (2 s at least, round_timeout at most). A copy still on its way then
+        (a slow owner's uplink) is used in a later round when it arrives, instead of holding this round, and
+        every peer waiting for this one, up to the slowest link (sync/fetch.py, late copies)."""
+        timing = self.shared.last_timing
+        rate = timing.get("received bytes", 0) / max(timing.get("all-reduce", 0.0), 1e-3)
+        if rate <= 0:
+            return self.cfg.round_timeout
+        per_expert = sum(t.numel() for t in self.model.expert_tensors(0).values()) * _WIRE_BYTES[self.cfg.compression]
+        need = per_expert * sum(len(peers) for e, peers in owners.items() if e not in own)
+        return min(self.cfg.round_timeout, max(2.0, 2.0 * need / rate + 1.0))
 
     def _expert_averager(self, own: dict[int, Snapshot], replicated: bool) -> SharedAverager | None:
         """The averager over this peer's owned experts (training thread), snapshotted for this round; only
@@ -346,6 +384,7 @@ class SparseSync(ExpertFetching):
             records, means = {}, {}
         report = pending.report
         self._pending = None
+        applying = time.perf_counter()
         self._capture_pre_apply()
         if pending.behind:
             logger.info("fell more than one round behind the swarm: re-downloading its state")
@@ -374,6 +413,7 @@ class SparseSync(ExpertFetching):
         if records:
             report.adopted, report.given_back = self._adopt(records, set(means), report.cut_off)
         now = time.perf_counter()
+        report.timing["apply"] = now - applying
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
         self._last_round_seconds, self._last_applied_at = report.seconds, time.monotonic()

@@ -12,6 +12,7 @@ import math
 import multiprocessing as mp
 import signal
 import threading
+import time
 from typing import AsyncIterator
 
 import torch
@@ -239,6 +240,8 @@ class SharedAverager:
         self.snapshot: list[torch.Tensor] | None = None
         self._control = None  # the running (or last) averaging step, for cancel_matchmaking
         self._expected = 0  # the expected group size last set in the averager process
+        # The last all_reduce: seconds to form the group and to all-reduce, bytes received meanwhile.
+        self.last_timing: dict[str, float] = {}
         self.refusals: list[tuple[int, tuple[int, ...], float]] = []
         # The last synchronized value of each tensor: a received result is judged by its change from the snapshot
         # against this peer's own change since then (check_result), as issue 9 asks.
@@ -278,23 +281,37 @@ class SharedAverager:
         """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed. `expected`:
         the peers (this one included) that should join, as the records show them; with sync.target_group_size 0
         a group this peer leads starts once that many joined."""
-        control = None
-        if self.cfg.target_group_size == 0 and expected >= 2 and expected != self._expected:
-            try:
-                self.averager.set_expected_group_size(expected)
-                self._expected = expected
-            except Exception as e:  # the averager process is gone or busy: this round waits matchmaking_time
-                logger.debug(f"could not set the expected group size: {e!r}")
+        control, self.last_timing = None, {}
+        self._set_expected(expected)
         try:
+            started = time.perf_counter()
             control = self._control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
             # Bounded even if the averager process itself dies (its future would never resolve otherwise).
-            gathered = control.result(timeout=timeout + self.cfg.round_timeout)
+            # Polled, to time how long the group took to form apart from the all-reduce itself (round log line).
+            deadline, grouped, received = started + timeout + self.cfg.round_timeout, None, self.wire.received
+            while not control.done() and time.perf_counter() < deadline:
+                if grouped is None and control.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
+                    grouped, received = time.perf_counter(), self.wire.received
+                time.sleep(0.02)
+            gathered = control.result(timeout=max(0.0, deadline - time.perf_counter()))
+            done = time.perf_counter()
+            grouped = done if grouped is None else grouped
+            self.last_timing = {"group": grouped - started, "all-reduce": done - grouped,
+                                "received bytes": self.wire.received - received}
         except Exception as e:  # a peer died mid-round, matchmaking timed out, ...: keep local values
             logger.warning(f"averaging failed this round: {type(e).__name__}: {e}")
             if control is not None and not control.done():
                 control.cancel()
             return 0
         return len(gathered) if gathered else 0
+
+    def _set_expected(self, expected: int) -> None:
+        if self.cfg.target_group_size == 0 and expected >= 2 and expected != self._expected:
+            try:
+                self.averager.set_expected_group_size(expected)
+                self._expected = expected
+            except Exception as e:  # the averager process is gone or busy: this round waits matchmaking_time
+                logger.debug(f"could not set the expected group size: {e!r}")
 
     def cancel_matchmaking(self) -> bool:
         """Give up the running step if it is still looking for a group (a leaving peer: its partners may be

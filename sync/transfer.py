@@ -3,10 +3,13 @@
 Each peer runs one `ExpertExchange`: it serves the experts it published for recent sync rounds and fetches other
 owners' experts, all through a single streaming rpc handler (not one averager per expert). Wire format:
 
-- request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")`;
+- request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")`, optionally with `metadata` = MSGPack
+  `{"min_round": m}`: if that round is not there, an older copy no older than round `m` may be served instead
+  (an owner one round behind; docs/DESIGN.md, "Bandwidth-aware rounds");
 - response stream of `runtime_pb2.ExpertResponse`: first message `metadata` = MSGPack `{"names": [...],
   "round": r}` — r is the round asked for, or the owner's newest if that one is gone and a later one exists;
-  never an older one — (or `{"error": "missing" | "bad request" | "internal"}` and the stream ends), then the tensors,
+  older only as `min_round` allows — (or `{"error": "missing" | "bad request" | "internal"}` and the stream
+  ends), then the tensors,
   each serialized with hivemind's codecs and cut into parts by `split_for_streaming` (so tensors bigger than
   a p2p message work), several parts per message.
 
@@ -53,6 +56,15 @@ _ACCEPTED_DTYPES = set(_FLOAT_DTYPES) | {"int8", "int16", "int32", "int64", "uin
 # ASCII digits only ("\d" would accept other scripts' digits); the length bound keeps int() cheap.
 _UID_RE = re.compile(r"([0-9]{1,9})@([0-9]{1,18})")
 _MAX_NAMES, _MAX_NAME_LEN = 100_000, 1_000
+_MAX_REQUEST_METADATA = 256
+
+
+class FetchedExpert(dict):
+    """A fetched expert: name -> tensor, and `round`, the round of the copy the owner served."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], round_id: int) -> None:
+        super().__init__(tensors)
+        self.round = round_id
 
 
 class MalformedResponse(ValueError):
@@ -142,6 +154,24 @@ def _parse_uid(uid: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def _parse_request_metadata(raw: bytes) -> tuple[bool, int | None]:
+    """(well-formed, min_round) of a request's optional metadata."""
+    if not raw:
+        return True, None
+    if len(raw) > _MAX_REQUEST_METADATA:
+        return False, None
+    try:
+        meta = MSGPackSerializer.loads(raw)
+    except Exception:
+        return False, None
+    if not isinstance(meta, dict):
+        return False, None
+    min_round = meta.get("min_round")
+    if min_round is not None and (isinstance(min_round, bool) or not isinstance(min_round, int) or min_round < 0):
+        return False, None
+    return True, min_round
+
+
 def _parse_metadata(raw: bytes) -> dict:
     if not raw:
         raise MalformedResponse("first message carries no metadata")
@@ -191,7 +221,7 @@ class _ExpertServicer(ServicerBase):
             logger.debug(f"Refusing expert request from unadmitted peer {context.remote_id}")
             yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
             return
-        async for message in self.exchange._serve(request.uid):
+        async for message in self.exchange._serve(request.uid, request.metadata):
             yield message
 
 
@@ -264,6 +294,19 @@ class ExpertExchange:
             for old in sorted(rounds)[:-self.keep_rounds]:
                 del rounds[old]
 
+    def _lookup(self, expert: int, round_id: int, min_round: int | None) -> tuple[int, _Entry | None]:
+        """(round, entry) to serve for a request of round_id; entry None if there is none."""
+        with self._lock:
+            rounds = self._store.get(expert, {})
+            if round_id in rounds or not rounds:
+                return round_id, rounds.get(round_id)
+            # The round asked for, or else the newest if that is later: round numbers are labels, and an owner
+            # that ran rounds alone (cut off for a while) numbers them ahead of the swarm; what a fetcher wants
+            # is this owner's newest copy, never an older one than it allows (min_round: an owner one behind).
+            newest = max(rounds)
+            if newest > round_id or (min_round is not None and min_round <= newest):
+                return newest, rounds[newest]
+            return round_id, None
     def published(self, expert: int) -> int | None:
         """The newest round published for `expert`, or None."""
         with self._lock:
@@ -282,25 +325,17 @@ class ExpertExchange:
             entry.job = asyncio.get_running_loop().run_in_executor(self._executor, self._serialize_entry, entry)
         return await asyncio.shield(entry.job)
 
-    async def _serve(self, uid: str) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def _serve(self, uid: str, metadata: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The response stream for one request; never raises (a hostile request only ends its own stream)."""
         def error(kind: str) -> runtime_pb2.ExpertResponse:
             return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": kind}))
 
-        parsed = _parse_uid(uid)
-        if parsed is None:
+        parsed, (well_formed, min_round) = _parse_uid(uid), _parse_request_metadata(metadata)
+        if parsed is None or not well_formed:
             logger.debug(f"Refusing malformed expert request uid {uid[:40]!r}")
             yield error("bad request")
             return
-        expert, round_id = parsed
-        with self._lock:
-            rounds = self._store.get(expert, {})
-            # The round asked for, or else the newest if that is later: round numbers are labels, and an owner
-            # that ran rounds alone (cut off for a while) numbers them ahead of the swarm; what a fetcher wants
-            # is this owner's newest copy, never an older one than it asked for.
-            if round_id not in rounds and rounds and max(rounds) > round_id:
-                round_id = max(rounds)
-            entry = rounds.get(round_id)
+        round_id, entry = self._lookup(*parsed, min_round)
         if entry is None:
             yield error("missing")
             return
@@ -325,8 +360,11 @@ class ExpertExchange:
 
     # ---- fetching ------------------------------------------------------------------------------------------
 
-    def fetch_async(self, peer: PeerID, expert: int, round_id: int, timeout: float) -> concurrent.futures.Future:
-        """Start fetching `expert@round_id` from `peer`; the future gives a name->tensor dict or None.
+    def fetch_async(self, peer: PeerID, expert: int, round_id: int, timeout: float,
+                    min_round: int | None = None) -> concurrent.futures.Future:
+        """Start fetching `expert@round_id` from `peer`; the future gives a `FetchedExpert` (name -> tensor, and
+        the round served) or None. `min_round`: the oldest copy acceptable if round_id is not there (default:
+        round_id itself).
 
         The future never raises; it is cancelled only if the exchange shuts down mid-fetch.
         """
@@ -334,13 +372,17 @@ class ExpertExchange:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
             return done
-        return asyncio.run_coroutine_threadsafe(self._fetch(peer, int(expert), int(round_id), timeout), self._loop)
+        options = MSGPackSerializer.dumps({"min_round": int(min_round)}) if min_round is not None else b""
+        return asyncio.run_coroutine_threadsafe(
+            self._fetch(peer, int(expert), int(round_id), timeout, options,
+                        int(round_id) if min_round is None else int(min_round)), self._loop)
 
-    def fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float) -> dict[str, torch.Tensor] | None:
+    def fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float,
+              min_round: int | None = None) -> FetchedExpert | None:
         """Blocking fetch (from any thread but the exchange's own); None if unavailable, late or malformed."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("ExpertExchange.fetch would deadlock on its own loop; use fetch_async")
-        future = self.fetch_async(peer, expert, round_id, timeout)
+        future = self.fetch_async(peer, expert, round_id, timeout, min_round=min_round)
         try:
             # _fetch bounds itself by `timeout`; the margin covers scheduling on a busy machine.
             return future.result(timeout=timeout + 5.0)
@@ -348,10 +390,13 @@ class ExpertExchange:
             future.cancel()
             return None
 
-    async def _fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float) -> dict[str, torch.Tensor] | None:
+    async def _fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float, options: bytes = b"",
+                     min_round: int | None = None) -> FetchedExpert | None:
         what = f"expert {expert}@{round_id} from {peer}"
+        min_round = round_id if min_round is None else min_round
         try:
-            return await asyncio.wait_for(self._fetch_retrying(peer, f"{expert}@{round_id}", round_id), timeout)
+            return await asyncio.wait_for(self._fetch_retrying(peer, f"{expert}@{round_id}", min_round, options),
+                                          timeout)
         except asyncio.TimeoutError:
             logger.debug(f"Timed out fetching {what} after {timeout:.1f}s")
         except IncompleteResponse as e:
@@ -363,17 +408,19 @@ class ExpertExchange:
             logger.debug(f"Could not fetch {what}: {type(e).__name__}: {e}")
         return None
 
-    async def _fetch_retrying(self, peer: PeerID, uid: str, round_id: int) -> dict[str, torch.Tensor] | None:
+    async def _fetch_retrying(self, peer: PeerID, uid: str, min_round: int, options: bytes = b"",
+                              ) -> FetchedExpert | None:
         try:
-            return await self._fetch_unbounded(peer, uid, round_id)
+            return await self._fetch_unbounded(peer, uid, min_round, options)
         except IncompleteResponse as e:
             logger.debug(f"Retrying {uid} from {peer}: {e}")
-            return await self._fetch_unbounded(peer, uid, round_id)
+            return await self._fetch_unbounded(peer, uid, min_round, options)
 
-    async def _request(self, peer: PeerID, uid: str) -> tuple[dict, list[list[runtime_pb2.Tensor]]]:
+    async def _request(self, peer: PeerID, uid: str, options: bytes = b"",
+                       ) -> tuple[dict, list[list[runtime_pb2.Tensor]]]:
         """Send one raw request; return (metadata, parts grouped per tensor). Unbounded: callers add a timeout."""
         stub = _ExpertServicer.get_stub(self._p2p, peer, namespace=self.namespace)
-        stream = await stub.rpc_get_expert(runtime_pb2.ExpertRequest(uid=uid))
+        stream = await stub.rpc_get_expert(runtime_pb2.ExpertRequest(uid=uid, metadata=options))
         meta: dict | None = None
         groups: list[list[runtime_pb2.Tensor]] = []
         received = 0
@@ -387,6 +434,11 @@ class ExpertExchange:
                     raise MalformedResponse("metadata after the first message")
                 for part in message.tensors:
                     received = self._collect(part, groups, received, "expert")
+                if len(groups) == len(meta["names"]) and all(len(g) >= max(g[0].chunks, 1) for g in groups):
+                    # Everything announced arrived: do not wait for the end of the stream (a stream whose server
+                    # took a while before answering was seen to stay open at the daemon after the server
+                    # finished, so the fetch only ended at its timeout).
+                    break
         finally:
             with suppress(Exception):
                 await stream.aclose()
@@ -409,20 +461,21 @@ class ExpertExchange:
             raise MalformedResponse("continuation part before any tensor header")
         return received
 
-    async def _fetch_unbounded(self, peer: PeerID, uid: str, round_id: int) -> dict[str, torch.Tensor] | None:
-        meta, groups = await self._request(peer, uid)
+    async def _fetch_unbounded(self, peer: PeerID, uid: str, min_round: int, options: bytes = b"",
+                               ) -> FetchedExpert | None:
+        meta, groups = await self._request(peer, uid, options)
         if "error" in meta:
             logger.debug(f"Peer {peer} has no expert {uid}: {meta['error'][:40]}")
             return None
-        if meta["round"] < round_id:
-            raise MalformedResponse(f"asked for round {round_id}, got the older round {meta['round']}")
+        if meta["round"] < min_round:
+            raise MalformedResponse(f"asked for round {min_round} or later, got the older round {meta['round']}")
         if len(groups) > len(meta["names"]):
             raise MalformedResponse(f"{len(meta['names'])} names but {len(groups)} tensors")
         if len(groups) < len(meta["names"]):
             raise IncompleteResponse(f"{len(meta['names'])} names but only {len(groups)} tensors arrived")
         loop = asyncio.get_running_loop()
         tensors = await loop.run_in_executor(self._executor, lambda: [_deserialize_parts(g) for g in groups])
-        return dict(zip(meta["names"], tensors))
+        return FetchedExpert(dict(zip(meta["names"], tensors)), meta["round"])
 
     # ---- shared state downloads ----------------------------------------------------------------------------
 

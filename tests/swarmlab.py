@@ -23,7 +23,7 @@ _LIST = r"(none|\[[\d, ]*\])"
 ROUND_RE = re.compile(
     r"^(\w{3} \d\d [\d:.]+) \[INFO\] \[\S+ \w+\] round (\d+) applied at step (\d+): shared group (\d+), "
     rf"experts synced (\d+), missing {_LIST}, rejected (\d+), adopted {_LIST}(?:, gave back {_LIST})?"
-    r"(, re-downloaded)?(?:, merged \(alpha [\d.]+\))?, ([\d.]+)s \(([\d.]+)s blocked\)$", re.M)
+    r"(, re-downloaded)?(?:, merged \(alpha [\d.]+\))?, ([\d.]+)s \(([\d.]+)s blocked\)(?: \[[^\]]*\])?$", re.M)
 
 
 def _experts(text: Optional[str]) -> list[int]:

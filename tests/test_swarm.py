@@ -4,6 +4,7 @@ Each peer is a DHT node + SparseSync (its averager and expert exchange) around i
 stood in for by seeded perturbations of what each peer trains, so the expected post-round values are exact."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -119,6 +120,41 @@ def test_round_averages_shared_and_spreads_owned_experts(swarm_factory):
             _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
     coverage = peers[0].swarm.coverage()
     assert all(len(owners) == 1 for owners in coverage.values())
+
+
+def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monkeypatch):
+    """A slow owner's expert copy does not hold the round up: the fetcher applies what arrived by its deadline,
+    keeps the slow transfer running (never asking twice) and applies the copy in a later round."""
+    fast, slow = swarm_factory([0, 1, 2]), swarm_factory([3])
+    served: list[str] = []
+    original = slow.sync.exchange._serve
+
+    async def slow_serve(uid, metadata=b""):
+        served.append(uid)
+        if len(served) == 1:
+            await asyncio.sleep(8.0)  # the first copy crawls through a slow uplink
+        async for message in original(uid, metadata):
+            yield message
+
+    monkeypatch.setattr(slow.sync.exchange, "_serve", slow_serve)
+    _local_training(fast, seed=4)
+    _local_training(slow, seed=5)
+    round1_copy = _experts(slow)[3]
+    started = time.monotonic()
+    reports = _round_all([fast, slow])
+    assert reports[0].experts_missing == [3] and time.monotonic() - started < 8.0, reports[0]
+    assert not torch.equal(_experts(fast)[3]["layers.0.down_proj"], round1_copy["layers.0.down_proj"])
+    time.sleep(8.0)  # the late copy arrives meanwhile
+    _local_training(fast, seed=7)
+    _local_training(slow, seed=6)
+    reports = _round_all([fast, slow])
+    assert 3 in reports[0].experts_synced and served == ["3@1"], (reports[0], served)
+    _assert_experts_equal(_experts(fast)[3], round1_copy)  # the round-1 copy, one round late
+    _local_training(fast, seed=8)
+    _local_training(slow, seed=9)
+    reports = _round_all([fast, slow])  # and the next round asks again, for the current copy
+    assert 3 in reports[0].experts_synced and served[-1] == "3@3", served
+    _assert_experts_equal(_experts(fast)[3], _experts(slow)[3])
 
 
 def test_diloco_mode_every_peer_owns_every_expert(swarm_factory):

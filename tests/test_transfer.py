@@ -120,6 +120,29 @@ def test_missing_and_keep_rounds(dhts, make_exchange):
     assert b.rejects.total() == 0  # "missing" answers are normal, not malformed
 
 
+def test_min_round_allows_an_owner_one_round_behind(dhts, make_exchange):
+    """A fetcher asks for its round; an owner one behind serves its older copy only as far as min_round allows."""
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns)
+    b = make_exchange(dht_b, ns)
+    a.publish(1, 3, make_expert(1))
+    assert b.fetch(a.peer_id, 3, 2, timeout=20) is None  # nothing older than asked by default
+    got = b.fetch(a.peer_id, 3, 2, timeout=20, min_round=1)
+    assert got is not None and got.round == 1
+    assert torch.equal(got["layers.0.down_proj"], make_expert(1)["layers.0.down_proj"])
+    assert b.fetch(a.peer_id, 3, 3, timeout=20, min_round=2) is None
+    a.publish(2, 3, make_expert(2))
+    got = b.fetch(a.peer_id, 3, 2, timeout=20, min_round=1)
+    assert got is not None and got.round == 2  # the asked round when it is there
+    # Malformed options are a bad request, not a crash or an unbounded answer.
+    for options in ({"min_round": -3}, {"min_round": "1"}, {"min_round": True}, [1, 2], b"\xc1" * 300):
+        raw = options if isinstance(options, bytes) else MSGPackSerializer.dumps(options)
+        meta, _ = asyncio.run_coroutine_threadsafe(b._request(a.peer_id, "3@2", raw), b._loop).result(timeout=10)
+        assert meta == {"error": "bad request"}, options
+    assert b.rejects.total() == 0
+
+
 def test_dead_peer_returns_none_within_timeout(dhts, make_exchange):
     dht_a, dht_b, _ = dhts
     ns = fresh_namespace()
@@ -193,7 +216,7 @@ class _HostileExchange(ExpertExchange):
     script: list[runtime_pb2.ExpertResponse] = []
     stall_s = 0.0
 
-    async def _serve(self, uid):
+    async def _serve(self, uid, metadata=b""):
         for message in self.script:
             yield message
         await asyncio.sleep(self.stall_s)
@@ -235,8 +258,16 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
     ]
     got = b.fetch(a.peer_id, 0, 1, timeout=10)
     assert got is not None and torch.equal(got["a"], torch.ones(4))
-    # A server that sends the header and then stalls: the fetch gives up at its timeout, not later.
+    # A server that sends everything it announced and then keeps the stream open: the fetch is complete.
     _HostileExchange.stall_s = 60.0
+    t0 = time.monotonic()
+    got = b.fetch(a.peer_id, 0, 1, timeout=5.0)
+    assert got is not None and torch.equal(got["a"], torch.ones(4)) and time.monotonic() - t0 < 3.0
+    # One that sends the header and part of it, then stalls: the fetch gives up at its timeout, not later.
+    _HostileExchange.script = [
+        runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a", "b"], "round": 1})),
+        runtime_pb2.ExpertResponse(tensors=good_part),
+    ]
     t0 = time.monotonic()
     assert b.fetch(a.peer_id, 0, 1, timeout=1.0) is None
     assert 1.0 <= time.monotonic() - t0 < 3.0
