@@ -16,6 +16,8 @@ and `--steps` local steps. Arms:
 - `spes_overlap`: as `spes` with the default `sync.overlap=true` (rounds run behind training), for blocked share.
 - `mixed_client`: as `mixed` with the home peer in `--client-mode` instead of `--use-auto-relay`.
 - `mixed_bw`: as `mixed`, the home peer telling its uplink (`--set network.upload_mbit=5`: its all-reduce share).
+- `mixed_follow`: as `mixed_bw`, and the home peer follows (`sync.follow_below_mbit=10`): it downloads the shared
+  tensors each round instead of joining the all-reduce.
 - `slow`: as `spes_overlap`, with p3 limited to `SLOW_CORES` CPU cores by a cgroup (tests/swarmlab.py
   `CpuQuota`): a 3-4x slower machine. It is stopped when the fast peers finish; "steps" shows how far it got.
 
@@ -62,6 +64,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "diloco": {"experts": ["all"] * 4, "home": False, "overlap": False},
     "mixed": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False},
     "mixed_client": {"experts": QUARTERS, "home": "--client-mode", "overlap": False},
+    "mixed_follow": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False,
+                     "home_sets": [f"network.upload_mbit={HOME_UP_MBIT:g}", "sync.follow_below_mbit=10"]},
     "mixed_bw": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False,
                  "home_sets": [f"network.upload_mbit={HOME_UP_MBIT:g}"]},
     "spes_overlap": {"experts": QUARTERS, "home": False, "overlap": True},

@@ -41,6 +41,12 @@ class SyncConfig:
     # come costs matchmaking_time, as without a target); N >= 2: exactly N (organized runs); -1: no target,
     # always wait the whole matchmaking_time.
     target_group_size: int = 0
+    # A peer whose declared upload (network.upload_mbit) is below this many Mbit/s does not join the shared
+    # all-reduce: every round it downloads the swarm's shared tensors instead (its own shared changes are
+    # dropped) and serves its experts as usual. Its uplink would otherwise make every all-reduce it joins as
+    # slow as itself (bench.wan `mixed`: 40 s instead of 3 s). 0 (default) = every peer all-reduces; opt in
+    # with e.g. 10 (see bench/README.md, bench.wan `mixed_bw`, for what it did and did not fix).
+    follow_below_mbit: float = 0.0
     # Before the first step, wait until this many peers (this one included) have records in the run, at most
     # round_timeout seconds (0 = start at once). For organized starts: no peer runs its first rounds alone.
     wait_for_peers: int = 0
@@ -81,6 +87,8 @@ class SyncConfig:
             raise ValueError(f"sync.aggregation must be centered_clip|mean, got {self.aggregation!r}")
         if self.alone_warn_rounds < 1:
             raise ValueError(f"sync.alone_warn_rounds must be >= 1, got {self.alone_warn_rounds}")
+        if self.follow_below_mbit < 0:
+            raise ValueError(f"sync.follow_below_mbit must be >= 0, got {self.follow_below_mbit}")
         for name in ("round_timeout", "matchmaking_time", "record_ttl", "max_norm_ratio", "outer_lr", "clip_factor",
                      "max_delta_ratio"):
             if getattr(self, name) <= 0:

@@ -37,6 +37,7 @@ class _Fetch:
     def __init__(self, future: concurrent.futures.Future, timeout: float, started: float) -> None:
         self.future, self.timeout, self.started = future, timeout, started
         self.finished: float | None = None
+        self.late = False  # still running when a later round asked again (a slow owner's uplink)
 
     def done_at(self) -> None:
         self.finished = time.monotonic()
@@ -110,6 +111,7 @@ class ExpertFetching:
                 owners.setdefault(expert, []).append(record.peer_id)
                 key = (expert, record.peer_id)
                 if key in self._inflight:
+                    self._inflight[key].late = True  # from an earlier round: used if done, not waited for
                     continue
                 timeout = self._fetch_timeout(record.peer_id)
                 # An owner that is behind serves the newest round it has; one round of staleness is expected.
@@ -129,7 +131,7 @@ class ExpertFetching:
         synchronized value to compare with): a copy whose change from the last synchronized value exceeds
         sync.max_delta_ratio x that (x rounds since the expert last synchronized) is refused as "delta"."""
         waiting = [self._inflight[(e, p)].future for e, peers in owners.items() for p in peers
-                   if (e, p) in self._inflight]
+                   if (e, p) in self._inflight and not self._inflight[(e, p)].late]
         concurrent.futures.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
         received: dict[int, list[tuple[int, Snapshot]]] = {}
         for key in [k for k, f in self._inflight.items() if f.future.done()]:

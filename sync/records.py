@@ -92,7 +92,9 @@ def ephemeral_identity() -> tuple[str, str]:
 
 def check_record_payload(value: Any, num_experts: int) -> bool:
     """The exact schema of a peer record's payload (see sync.swarm.PeerRecord.to_value)."""
-    if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | {"ticket"}:
+    if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | {"ticket", "follows"}:
+        return False
+    if "follows" in value and value["follows"] is not True:
         return False
     experts = value["experts"]
     if not isinstance(experts, list) or len(experts) > num_experts:

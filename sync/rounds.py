@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ class RoundReport:
     # Where the round's wall time went (seconds): snapshot + publish, group forming and all-reduce of the shared
     # tensors, expert fetches still running after it, applying. Logged with the round line, for tuning.
     timing: dict[str, float] = field(default_factory=dict)
+    # A follower's round (sync.follow_below_mbit): the shared tensors it downloaded instead of all-reducing.
+    followed: list[list[torch.Tensor]] | None = field(default=None, repr=False)
     blocked_seconds: float = 0.0        # of which the training loop waited
 
 
@@ -92,7 +95,7 @@ def _expected_group(others: dict[str, PeerRecord], round_id: int) -> int:
     while its round already runs). A peer further behind is in a long round of its own (a slow uplink: its
     rounds are link-bound) or about to re-download the state; waiting matchmaking_time for it every round would
     make every round as slow as the slowest link. It still joins whatever group is forming when it arrives."""
-    return 1 + sum(r.round >= round_id - 2 for r in others.values())
+    return 1 + sum(r.round >= round_id - 2 and not r.follows for r in others.values())
 
 
 def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
@@ -126,6 +129,14 @@ class SparseSync(ExpertFetching):
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=cfg.compression,
                                        rejects=self.rejects, gate=gate)
         self.bandwidth = bandwidth
+        # A slow uplink follows the swarm's shared tensors by download instead of joining (and slowing) the
+        # all-reduce groups; its record says so, so that nobody waits for it in matchmaking.
+        self.follower = bandwidth is not None and bandwidth < cfg.follow_below_mbit
+        if self.follower:
+            swarm.record.follows = True
+            logger.info(f"upload {bandwidth:g} Mbit/s is below sync.follow_below_mbit ({cfg.follow_below_mbit:g}): "
+                        f"this peer downloads the swarm's shared tensors each round instead of joining the "
+                        f"all-reduce (its shared changes are not averaged in); its experts are served as usual")
         self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects, max_weight=max_weight, gate=gate,
                                      bandwidth=bandwidth)
         # Last synchronized value of each owned expert (what its own change in a round is measured from), rounds
@@ -207,6 +218,11 @@ class SparseSync(ExpertFetching):
         after training at least as long as its last round took) when the other peers' median round is already
         past this peer's: it is slower than them, and joins the round they are in with the tokens it trained
         (sync.progress)."""
+        if self._pending is not None and not self._pending.future.done():
+            # The previous round still runs (this peer is faster than the peers it waits for, or its link is
+            # slow): train on and start the next round once it is applied, instead of blocking the training
+            # loop on it. Its tokens weigh in with the next round (capped at one round's, as for everyone).
+            return False
         if steps_since_round >= self.cfg.every:
             return True
         if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
@@ -241,7 +257,13 @@ class SparseSync(ExpertFetching):
         report.expected = _expected_group(others, self.round_id)
         replicated = any(set(r.experts) == set(own) for r in others.values())
         expert_avg = self._expert_averager(own, replicated)
-        behind = bool(others) and median_round(others.values()) > self.round_id + 1
+        if self.follower and others and median_round(others.values()) > self.round_id:
+            # A follower takes the swarm's shared tensors every round anyway: it is never "behind", it only
+            # keeps its round number with the swarm's, so that its record and expert copies are labelled alike.
+            self.round_id = report.round_id = median_round(others.values())
+            for expert, snapshot in own.items():
+                self.exchange.publish(self.round_id, expert, snapshot)
+        behind = bool(others) and not self.follower and median_round(others.values()) > self.round_id + 1
         # A peer that trained less than a full round (it joined the swarm's round early, sync.progress) changed
         # its tensors less than the others changed theirs: scale its yardstick up, as SharedAverager.check_result.
         short = self.max_weight / max(tokens_since_last, 1) if math.isfinite(self.max_weight) else 1.0
@@ -280,7 +302,15 @@ class SparseSync(ExpertFetching):
         # The all-reduce runs first, on a link that carries nothing else, and the expert copies follow it: on
         # rate-limited links with router queues, transfers that overlap the all-reduce (or the matchmaking) made
         # both slower than the same bytes one after the other (docs/DESIGN.md, "Bandwidth-aware rounds").
-        if average:
+        if average and self.follower:
+            started = time.perf_counter()
+            sources = [p for p, r in (others_at_start or {}).items() if not r.follows]
+            random.shuffle(sources)
+            # One source: three copies through a slow downlink would triple the round; a liar's copy is still
+            # bounded by the state checks, and the next round's source is another random peer.
+            report.followed = self._download_shared(sources, want=1) or None
+            report.timing["download"] = time.perf_counter() - started
+        elif average:
             report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout,
                                                               expected=report.expected))
             report.timing.update({k: v for k, v in self.shared.last_timing.items() if k in ("group", "all-reduce")})
@@ -322,7 +352,8 @@ class SparseSync(ExpertFetching):
         if rate <= 0:
             return self.cfg.round_timeout
         per_expert = sum(t.numel() for t in self.model.expert_tensors(0).values()) * _WIRE_BYTES[self.cfg.compression]
-        need = per_expert * sum(len(peers) for e, peers in owners.items() if e not in own)
+        need = per_expert * sum(1 for e, peers in owners.items() if e not in own for p in peers
+                                if (e, p) in self._inflight and not self._inflight[(e, p)].late)
         return min(self.cfg.round_timeout, max(2.0, 2.0 * need / rate + 1.0))
 
     def _expert_averager(self, own: dict[int, Snapshot], replicated: bool) -> SharedAverager | None:
@@ -393,6 +424,9 @@ class SparseSync(ExpertFetching):
         else:
             if report.group_size > 1:
                 report.rejected += self.shared.apply(tokens=pending.weight)
+            elif report.followed is not None and not self.shared.apply_followed(report.followed):
+                logger.warning("no peer served valid shared tensors this round: keeping the local ones")
+            report.followed = None  # applied: do not keep a copy of the shared tensors alive in the report
             if report.expert_group_size > 1 and self._expert_avg is not None:
                 report.rejected += self._expert_avg.apply(tokens=pending.weight)
             synced = self._synced_owned(means, pending.own_snapshots, report.expert_group_size > 1)
@@ -456,7 +490,7 @@ class SparseSync(ExpertFetching):
     def _track_alone(self, report: RoundReport) -> None:
         """A warning (and spes_sync_alone_rounds) when this peer keeps averaging with nobody while others exist:
         e.g. every group it finds is refused, or its records cannot be read (issue 9, "Visibility")."""
-        if report.peers_seen > 1 and report.group_size <= 1:
+        if report.peers_seen > 1 and report.group_size <= 1 and not self.follower:
             self.rounds_alone += 1
             if self.rounds_alone % self.cfg.alone_warn_rounds == 0:
                 logger.warning(f"averaged with nobody for {self.rounds_alone} rounds in a row although "

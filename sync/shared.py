@@ -391,6 +391,23 @@ class SharedAverager:
             for anchor, param in zip(self.anchor, self.params):
                 anchor.copy_(param.detach())
 
+    @torch.no_grad()
+    def apply_followed(self, candidates: list[list[torch.Tensor]]) -> bool:
+        """A follower's round (sync.follow_below_mbit): the swarm's shared tensors, downloaded, take the place of
+        an all-reduce result — live params += (downloaded - snapshot), keeping what this peer trained since the
+        snapshot. Checked as a state download (shapes, finite, norms; the median of 3+ copies). False (local
+        values kept) if no copy is valid."""
+        live = [p.detach().clone() for p in self.params]
+        for param, snap in zip(self.params, self.snapshot):
+            param.copy_(snap.to(param.device, param.dtype))  # load_state judges and replaces the snapshot values
+        if not self.load_state(candidates):
+            for param, value in zip(self.params, live):
+                param.copy_(value)
+            return False
+        for param, snap, value in zip(self.params, self.snapshot, live):
+            param.add_((value.float() - snap.to(value.device)).to(param.dtype))
+        return True
+
     def load_state(self, candidates: list[list[torch.Tensor]]) -> bool:
         """Late joiner / fell behind: take the shared tensors from copies downloaded from several peers.
 

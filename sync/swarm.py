@@ -52,11 +52,16 @@ class PeerRecord:
     step: int = 0
     tokens: int = 0
     ticket: bytes = b""  # closed runs: the organizer's ticket for this peer ID (sync.admission)
+    # A slow uplink: it follows the shared tensors by download and never joins an all-reduce group, so nobody
+    # waits for it in matchmaking (sync.follow_below_mbit, docs/DESIGN.md "Bandwidth-aware rounds").
+    follows: bool = False
 
     def to_value(self) -> dict[str, Any]:
         value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
         if self.ticket:
             value["ticket"] = self.ticket
+        if self.follows:
+            value["follows"] = True
         return value
 
     @classmethod
@@ -73,7 +78,8 @@ class PeerRecord:
         if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= b for c, b in zip(counters, bounds)):
             return None
         ticket = value.get("ticket", b"")
-        return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"")
+        return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
+                   follows=value.get("follows") is True)
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:

@@ -510,6 +510,11 @@ class ExpertExchange:
             finally:
                 with suppress(Exception):
                     await stream.aclose()
+            if groups and len(groups[-1]) < max(groups[-1][0].chunks, 1):
+                # The stream ended inside its last tensor: a dropped or size-limited connection (a relayed one
+                # carries 128 KiB), not a hostile server; the caller tries another source.
+                raise IncompleteResponse(f"state stream ended after {len(groups[-1])} of "
+                                         f"{groups[-1][0].chunks} parts of tensor {len(groups)}")
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, lambda: [_deserialize_parts(g) for g in groups])
 

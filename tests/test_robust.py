@@ -70,11 +70,13 @@ def test_far_future_and_malformed_records_are_refused(two_signed_dhts):
     for bad in ({"experts": [9], "round": 0, "step": 0, "tokens": 0},          # expert out of range
                 {"experts": [1], "round": 2**62, "step": 0, "tokens": 0},      # round near overflow
                 {"experts": [1], "round": 1, "step": 0, "tokens": 0, "x": 1},  # unknown field
-                {"experts": [1, 1], "round": 1, "step": 0, "tokens": 0}):      # duplicate expert
+                {"experts": [1, 1], "round": 1, "step": 0, "tokens": 0},       # duplicate expert
+                {"experts": [1], "round": 1, "step": 0, "tokens": 0, "follows": 1}):  # follows: only True
         assert not first.store(peers_key(RUN), subkey=a.peer_id, value=bad, expiration_time=now + 20), bad
     assert a.peers() == {}
-    a.publish(experts=[1], round=1)
-    assert list(Swarm(second, RUN, 4).peers()) == [a.peer_id]
+    a.publish(experts=[1], round=1, follows=True)  # a follower (sync.follow_below_mbit) says so
+    seen = Swarm(second, RUN, 4).peers()
+    assert list(seen) == [a.peer_id] and seen[a.peer_id].follows
 
 
 def test_median_round_ignores_one_liar():

@@ -43,7 +43,8 @@ def swarm_factory():
     peers: list[Peer] = []
     first_maddrs: list[str] = []
 
-    def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True) -> Peer:
+    def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True, bandwidth: float | None = None
+             ) -> Peer:
         cfg = cfg or _sync_cfg()
         # Signed, validated records as in peer.run (sync.records).
         dht = start_dht(first_maddrs, LOOPBACK, run_id="test-run", num_experts=MODEL.num_experts,
@@ -52,7 +53,7 @@ def swarm_factory():
             first_maddrs.extend(str(m) for m in dht.get_visible_maddrs())
         swarm = Swarm(dht, "test-run", MODEL.num_experts, ttl=cfg.record_ttl)
         model = SpesMoE(MODEL, owned_experts=owned, seed=0)
-        peer = Peer(model, swarm, SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts))
+        peer = Peer(model, swarm, SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts, bandwidth=bandwidth))
         peers.append(peer)
         if join:
             peer.sync.join(step=0, tokens=0)
@@ -155,6 +156,33 @@ def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monk
     reports = _round_all([fast, slow])  # and the next round asks again, for the current copy
     assert 3 in reports[0].experts_synced and served[-1] == "3@3", served
     _assert_experts_equal(_experts(fast)[3], _experts(slow)[3])
+
+
+def test_slow_uplink_follows_and_nobody_waits_for_it(swarm_factory):
+    """A peer below sync.follow_below_mbit never joins an all-reduce group: the others average without waiting
+    for it, it takes the swarm's shared tensors by download (keeping what it trained since its snapshot), and
+    its experts still reach them."""
+    cfg = _sync_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2], cfg)
+    home = swarm_factory([3], cfg, bandwidth=5.0)
+    assert home.sync.follower and all(r.follows == (p == home.swarm.peer_id) for p, r in a.swarm.peers().items())
+    for i, peer in enumerate((a, b, home)):
+        _local_training(peer, seed=30 + i)
+    before = [_shared(p) for p in (a, b)]
+    home_expert = _experts(home)[3]
+    for peer in (a, b, home):
+        peer.sync.start_round(step=1, tokens=100, tokens_since_last=100)
+    started = time.monotonic()
+    reports = [peer.sync.finish_round(block=True) for peer in (a, b)]
+    assert [r.group_size for r in reports] == [2, 2], reports
+    assert time.monotonic() - started < 4.0  # nobody waited the matchmaking time for the follower
+    home_report = home.sync.finish_round(block=True)
+    assert home_report.group_size == 1 and "download" in home_report.timing, home_report
+    for name, value in _shared(home).items():  # one of the swarm's states: a source's snapshot or the average
+        candidates = [before[0][name], before[1][name], (before[0][name] + before[1][name]) / 2]
+        assert any(torch.allclose(value, c, rtol=1e-5, atol=1e-6) for c in candidates), name
+    for peer in (a, b):
+        _assert_experts_equal(_experts(peer)[3], home_expert)
 
 
 def test_diloco_mode_every_peer_owns_every_expert(swarm_factory):
