@@ -3,9 +3,11 @@
 
 `ExpertFetching` is a part of `sync.rounds.SparseSync`, kept in its own file: it uses the round's state
 (`round_id`, `cfg`, `exchange`, `model`, `rejects`, the last synchronized experts `_expert_synced` and their
-staleness `_stale`) and owns the owners' strike counts. For each wanted expert every live owner's copy for this
-round is fetched at once (one stream per owner and expert, `sync.transfer.ExpertExchange`), each copy checked
-(shape, finiteness, norm, change in proportion to an honest round's) and 3+ copies combined robustly. An owner
+staleness `_stale`) and owns the owners' strike counts and running fetches. For each wanted expert every live
+owner's copy for this round is fetched at once (one stream per owner and expert, `sync.transfer.ExpertExchange`),
+each copy checked (shape, finiteness, norm, change in proportion to an honest round's) and 3+ copies combined
+robustly. A fetch still running at the round's deadline stays in flight and is never asked again; its copy is
+used in the round during which it arrives (late copies: one slow uplink must not hold every round up). An owner
 that let a fetch time out is skipped for 2, 4, 8.. rounds and then asked with a short timeout; its strikes are
 forgotten when its record expires, so a peer whose link came back is asked like anyone else.
 """
@@ -29,6 +31,10 @@ logger = get_logger(__name__)
 Snapshot = dict[str, torch.Tensor]
 # Twice the relative rounding error bound of a dtype a frozen expert copy may be stored in.
 _ROUNDING = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
+
+
+# Bytes per value of an expert copy on the wire, per sync.compression (8-bit: 1 byte + a small codebook).
+_WIRE_BYTES = {"none": 4, "fp16": 2, "8bit": 1}
 
 
 class _Fetch:
@@ -169,6 +175,20 @@ class ExpertFetching:
             else:
                 means[expert] = {n: torch.stack([c[n].float() for c in tensors_list]).mean(dim=0) for n in names}
         return means
+
+    def _expert_grace(self, owners: dict[int, list[str]], own: dict[int, Snapshot]) -> float:
+        """Seconds to wait for this round's expert copies: twice what their bytes take at the rate this peer's
+        all-reduce just achieved, plus 1 s (2 s at least, round_timeout at most). A copy still on its way then
+        (a slow owner's uplink) is used in a later round when it arrives, instead of holding this round, and
+        every peer waiting for this one, up to the slowest link (sync/fetch.py, late copies)."""
+        timing = self.shared.last_timing
+        rate = timing.get("received bytes", 0) / max(timing.get("all-reduce", 0.0), 1e-3)
+        if rate <= 0:
+            return self.cfg.round_timeout
+        per_expert = sum(t.numel() for t in self.model.expert_tensors(0).values()) * _WIRE_BYTES[self.cfg.compression]
+        need = per_expert * sum(1 for e, peers in owners.items() if e not in own for p in peers
+                                if (e, p) in self._inflight and not self._inflight[(e, p)].late)
+        return min(self.cfg.round_timeout, max(2.0, 2.0 * need / rate + 1.0))
 
     def _change_ok(self, expert: int, tensors: Snapshot, synced: Snapshot, rel_change: float) -> bool:
         """Is a copy's change from the expert's last synchronized value in proportion to an honest round's?"""

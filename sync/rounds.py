@@ -7,7 +7,9 @@ A round, started by the peer every `sync.every` local steps (earlier when the ot
 2. in a background thread, while training goes on: the shared snapshot is all-reduced with the live peers
    (sync/shared.py, weights = tokens since the last round), then each expert's owners' snapshots are fetched
    (a non-owner fetches its owners', an owner its co-owners') — expert tensors travel only from owners,
-   keyed by expert ID — and validated; a refused expert keeps its local copy and is counted;
+   keyed by expert ID — until a deadline derived from the all-reduce's rate, and validated; a refused expert
+   keeps its local copy and is counted, a late one is used in a later round (docs/DESIGN.md, "Bandwidth-aware
+   rounds"). A slow uplink may follow instead of all-reducing (sync.follow_below_mbit);
 3. at a later step boundary (training thread) the results are applied as deltas against the snapshots
    (one-round-delayed update), experts without a live owner are adopted and adopted ones given back to an owner
    that returned (sync/ownership.py), and a peer that fell more than one round behind re-downloads the swarm's
@@ -38,8 +40,9 @@ from hivemind.utils.logging import get_logger
 
 from model.model import SpesMoE
 from sync.config import SyncConfig
+from sync.applying import Applying
 from sync.fetch import ExpertFetching, Snapshot
-from sync.merge import merge_alpha, merge_deltas, merge_due
+from sync.merge import merge_alpha, merge_due
 from sync.shared import SharedAverager
 from sync.ownership import Ownership
 from sync.progress import SwarmProgress
@@ -85,17 +88,11 @@ class _Pending:
     weight: int = 0                     # tokens this peer trained since the previous round
 
 
-# Bytes per value of an expert copy on the wire, per sync.compression (8-bit: 1 byte + a small codebook).
-_WIRE_BYTES = {"none": 4, "fp16": 2, "8bit": 1}
-
-
 def _expected_group(others: dict[str, PeerRecord], round_id: int) -> int:
-    """How many peers (this one included) a round's all-reduce waits for: the others whose records show this
-    round or one of the two before (records are read up to a poll or two late, and a peer stores its new round
-    while its round already runs). A peer further behind is in a long round of its own (a slow uplink: its
-    rounds are link-bound) or about to re-download the state; waiting matchmaking_time for it every round would
-    make every round as slow as the slowest link. It still joins whatever group is forming when it arrives."""
-    return 1 + sum(r.round >= round_id - 2 and not r.follows for r in others.values())
+    """How many peers (this one included) a round's all-reduce waits for: every live peer but followers
+    (sync.follow_below_mbit), which never join an all-reduce. Slower peers are waited for (at most
+    matchmaking_time): they join the round early (sync.progress) and their tokens count."""
+    return 1 + sum(not r.follows for r in others.values())
 
 
 def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
@@ -112,7 +109,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(ExpertFetching):
+class SparseSync(ExpertFetching, Applying):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig,
@@ -218,11 +215,6 @@ class SparseSync(ExpertFetching):
         after training at least as long as its last round took) when the other peers' median round is already
         past this peer's: it is slower than them, and joins the round they are in with the tokens it trained
         (sync.progress)."""
-        if self._pending is not None and not self._pending.future.done():
-            # The previous round still runs (this peer is faster than the peers it waits for, or its link is
-            # slow): train on and start the next round once it is applied, instead of blocking the training
-            # loop on it. Its tokens weigh in with the next round (capped at one round's, as for everyone).
-            return False
         if steps_since_round >= self.cfg.every:
             return True
         if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
@@ -279,20 +271,6 @@ class SparseSync(ExpertFetching):
         self._pending = _Pending(report, started, own, future, behind, step, tokens_since_last)
         return previous
 
-    def _relative_change(self, own: dict[int, Snapshot]) -> float:
-        """How much an honest round changed this peer's tensors, relative to their size: the largest of the
-        shared tensors' and each owned expert's ||snapshot - last synchronized|| / ||last synchronized||."""
-        def rel(now: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-            num = math.sqrt(sum(float(torch.linalg.vector_norm(a.float() - b.float())) ** 2 for a, b in zip(now, ref)))
-            den = math.sqrt(sum(float(torch.linalg.vector_norm(b.float())) ** 2 for b in ref))
-            return num / max(den, 1e-12)
-        values = [rel(self.shared.snapshot, self.shared.synced)] if self.shared.snapshot is not None else []
-        for expert, snapshot in own.items():
-            ref = self._expert_synced.get(expert)
-            if ref is not None:
-                values.append(rel([snapshot[k] for k in ref], list(ref.values())))
-        return max(values, default=0.0)
-
     def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int, average: bool,
                       expert_avg: SharedAverager | None,
                       rel_change: float | None = None, others_at_start: dict[str, PeerRecord] | None = None,
@@ -341,20 +319,6 @@ class SparseSync(ExpertFetching):
         report.experts_synced = sorted(set(means) | (set(own) - want))
         report.experts_missing = sorted(owned_elsewhere - set(means))
         return records, means
-
-    def _expert_grace(self, owners: dict[int, list[str]], own: dict[int, Snapshot]) -> float:
-        """Seconds to wait for this round's expert copies: twice what their bytes take at the rate this peer's
-        all-reduce just achieved, plus 1 s (2 s at least, round_timeout at most). A copy still on its way then
-        (a slow owner's uplink) is used in a later round when it arrives, instead of holding this round, and
-        every peer waiting for this one, up to the slowest link (sync/fetch.py, late copies)."""
-        timing = self.shared.last_timing
-        rate = timing.get("received bytes", 0) / max(timing.get("all-reduce", 0.0), 1e-3)
-        if rate <= 0:
-            return self.cfg.round_timeout
-        per_expert = sum(t.numel() for t in self.model.expert_tensors(0).values()) * _WIRE_BYTES[self.cfg.compression]
-        need = per_expert * sum(1 for e, peers in owners.items() if e not in own for p in peers
-                                if (e, p) in self._inflight and not self._inflight[(e, p)].late)
-        return min(self.cfg.round_timeout, max(2.0, 2.0 * need / rate + 1.0))
 
     def _expert_averager(self, own: dict[int, Snapshot], replicated: bool) -> SharedAverager | None:
         """The averager over this peer's owned experts (training thread), snapshotted for this round; only
@@ -497,65 +461,6 @@ class SparseSync(ExpertFetching):
                                f"{report.peers_seen - 1} other peer(s) are in the run")
         else:
             self.rounds_alone = 0
-
-    @torch.no_grad()
-    def _capture_pre_apply(self) -> None:
-        """Keep the model's values from just before a round is applied, for rollback()."""
-        shared = [p.detach().clone() for _, p in self.model.shared_parameters()]
-        experts = {e: {k: v.detach().clone() for k, v in self.model.expert_tensors(e).items()}
-                   for e in range(self.model.cfg.num_experts)}
-        self._pre_apply = (shared, experts)
-
-    @torch.no_grad()
-    def rollback(self) -> bool:
-        """Restore the values from before the last applied round (a non-finite loss right after applying it:
-        someone else's NaN or overflow got through). False if there is nothing to roll back to."""
-        if self._pre_apply is None:
-            return False
-        shared, experts = self._pre_apply
-        self._pre_apply = None
-        for (_, param), value in zip(self.model.shared_parameters(), shared):
-            param.copy_(value)
-        for expert, tensors in experts.items():
-            self.model.load_expert_tensors(expert, tensors)
-        self.shared.reset_reference()
-        self._reset_expert_references()
-        self.rollbacks += 1
-        return True
-
-    def step_done(self) -> None:
-        """The training loop finished a step with a finite loss after the last apply: the round is kept."""
-        self._pre_apply = None
-
-    def _synced_owned(self, means: dict[int, Snapshot], own: dict[int, Snapshot], all_reduced: bool) -> dict[int, Snapshot]:
-        """This round's synchronized (pre-merge) value of each expert this peer owns."""
-        synced = {e: means.get(e, snapshot) for e, snapshot in own.items()}
-        if all_reduced and self._expert_avg is not None:
-            # The replicas' all-reduce result as apply() accepted it (refused tensors: this peer's snapshot).
-            names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
-            values = iter(self._expert_avg.synced)
-            synced = {e: {name: next(values).clone() for name in names} for e in self._expert_avg_key}
-        return synced
-
-    @torch.no_grad()
-    def _merge(self, synced_owned: dict[int, Snapshot], alpha: float) -> None:
-        """Warm-up merge of the owned experts from this round's synchronized snapshot of every expert."""
-        snapshot = {e: synced_owned.get(e) or self.model.expert_tensors(e) for e in range(self.model.cfg.num_experts)}
-        owned = sorted(e for e in synced_owned if e in self.model.owned_experts)
-        deltas = merge_deltas(snapshot, owned, alpha, self.cfg.merge.topk, self.model.cfg.n_layers)
-        for expert, delta in deltas.items():
-            live = self.model.expert_tensors(expert)
-            self.model.load_expert_tensors(expert, {k: live[k].float() + delta[k] for k in live})
-        logger.info(f"merge warm-up (alpha {alpha:.4f}) applied to experts {owned}")
-
-    @torch.no_grad()
-    def _apply_experts(self, means: dict[int, Snapshot], own: dict[int, Snapshot]) -> None:
-        for expert, mean in means.items():
-            if expert in own and expert in self.model.owned_experts:
-                # Keep what this peer trained since the snapshot: new = mean + (live - snapshot).
-                live = self.model.expert_tensors(expert)
-                mean = {k: mean[k] + (live[k].float() - own[expert][k].float()) for k in mean}
-            self.model.load_expert_tensors(expert, mean)
 
     def _adopt(self, records: dict[str, PeerRecord], averaged: set[int], cut_off: bool) -> tuple[list[int], list[int]]:
         """Ownership changes after a round (sync.ownership): give adopted experts back to an owner that returned,

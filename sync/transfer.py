@@ -14,7 +14,7 @@ owners' experts, all through a single streaming rpc handler (not one averager pe
   a p2p message work), several parts per message.
 
 Nothing received is unpickled: metadata is MSGPack, tensors go through hivemind's deserializers (or the local
-8-bit decoder below). Fetched tensors are *not* validated here; callers run `sync.validate.validate_tensors`.
+8-bit decoder in sync/codec.py). Fetched tensors are *not* validated here; callers run `sync.validate.validate_tensors`.
 """
 from __future__ import annotations
 
@@ -25,34 +25,25 @@ import threading
 from contextlib import suppress
 from typing import AsyncIterator
 
-import numpy as np
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.streaming import split_for_streaming
 
+from sync.codec import COMPRESSION_TYPES, MalformedResponse, deserialize_parts as _deserialize_parts
+from sync.codec import serialize_tensor as _serialize_tensor
+from sync.codec import MIN_8BIT_NUMEL, extract_quantized, patch_hivemind_8bit_decoder  # noqa: F401 (their old home)
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
 
-_CT = runtime_pb2.CompressionType
-# UNIFORM_8BIT works on any float tensor (bf16 included) with torch alone; BLOCKWISE_8BIT needs bitsandbytes.
-COMPRESSION_TYPES = {"none": _CT.NONE, "fp16": _CT.FLOAT16, "8bit": _CT.UNIFORM_8BIT}
-# Below this size the 8-bit codebook (256 fp32 + 8 bytes) costs more than it saves: send 16-bit instead.
-MIN_8BIT_NUMEL = 4096
 # 16 parts of hivemind's 64 KiB streaming chunk = 1 MiB per message: fewer Python round trips per tensor.
 PARTS_PER_MESSAGE = 16
 # A hostile server could stream forever inside the timeout; cap what one fetch may buffer.
 DEFAULT_MAX_FETCH_BYTES = 16 * 2**30
-_QUANTIZED = (_CT.UNIFORM_8BIT, _CT.QUANTILE_8BIT)
-_ACCEPTED_COMPRESSION = (_CT.NONE, _CT.FLOAT16, _CT.MEANSTD_16BIT, *_QUANTIZED)
-_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "float64": torch.float64}
-_ACCEPTED_DTYPES = set(_FLOAT_DTYPES) | {"int8", "int16", "int32", "int64", "uint8", "bool"}
 # ASCII digits only ("\d" would accept other scripts' digits); the length bound keeps int() cheap.
 _UID_RE = re.compile(r"([0-9]{1,9})@([0-9]{1,18})")
 _MAX_NAMES, _MAX_NAME_LEN = 100_000, 1_000
@@ -67,86 +58,9 @@ class FetchedExpert(dict):
         self.round = round_id
 
 
-class MalformedResponse(ValueError):
-    """The remote peer answered with something that is not a well-formed expert."""
-
-
 class IncompleteResponse(ConnectionError):
     """The stream ended before every announced tensor arrived: seen rarely on loopback (~1 in 500 fetches)
     although the server sent everything, so it is treated as a transport failure and retried, not refused."""
-
-
-def _serialize_tensor(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
-    """Serialize with the configured codec, choosing a cheaper or safe fallback where the codec does not fit."""
-    if compression == _CT.UNIFORM_8BIT and tensor.is_floating_point() and tensor.numel() >= MIN_8BIT_NUMEL:
-        with suppress(Exception):  # the codec may fail on odd values; 16-bit below is always possible
-            return serialize_torch_tensor(tensor, _CT.UNIFORM_8BIT)
-    if not tensor.is_floating_point() or compression == _CT.NONE and tensor.dtype != torch.bfloat16:
-        return serialize_torch_tensor(tensor, _CT.NONE)
-    if tensor.dtype == torch.bfloat16:
-        # Already 16 bits: send the raw bits (exact). hivemind's own NONE codec would widen bf16 to fp32 unless
-        # USE_LEGACY_BFLOAT16=0, and its FLOAT16 codec refuses bf16; its NONE decoder reads this form either way.
-        return runtime_pb2.Tensor(compression=_CT.NONE, buffer=tensor.view(torch.int16).numpy().tobytes(),
-                                  size=tensor.shape, dtype="bfloat16")
-    if tensor.dtype == torch.float16:
-        return serialize_torch_tensor(tensor, _CT.NONE)
-    return serialize_torch_tensor(tensor, _CT.FLOAT16)
-
-
-def extract_quantized(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """Decode a UNIFORM_8BIT / QUANTILE_8BIT tensor: [int64 n][n fp32 codebook][uint8 indices].
-
-    hivemind 1.1.12's own `Quantization.extract` calls int() on a 1-element array, which the installed numpy 2.4 refuses,
-    so every 8-bit tensor fails to decode there; this is the same format, decoded with bounds checks.
-    """
-    buffer = serialized.buffer
-    if len(buffer) < 8 or serialized.dtype not in _FLOAT_DTYPES:
-        raise MalformedResponse("bad 8-bit tensor header")
-    codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
-    if not 0 < codebook_size <= 256 or len(buffer) < 8 + 4 * codebook_size:
-        raise MalformedResponse(f"bad 8-bit codebook size {codebook_size}")
-    codebook = torch.as_tensor(np.frombuffer(buffer, offset=8, count=codebook_size, dtype=np.float32).copy())
-    indices = torch.as_tensor(np.frombuffer(buffer, offset=8 + 4 * codebook_size, dtype=np.uint8).copy())
-    shape = tuple(serialized.size)
-    if int(np.prod(shape, dtype=np.int64)) != indices.numel():
-        raise MalformedResponse("8-bit tensor size does not match its payload")
-    # An index past a short codebook raises IndexError in the lookup: the caller treats that as malformed.
-    return codebook.to(_FLOAT_DTYPES[serialized.dtype])[indices.long()].reshape(shape)
-
-
-def patch_hivemind_8bit_decoder() -> None:
-    """Make hivemind's own 8-bit decoder (used inside averagers) work on numpy 2; idempotent.
-
-    Call before starting a DecentralizedAverager with an 8-bit codec: averagers are forked processes and
-    inherit the patched class.
-    """
-    from hivemind.compression.quantization import Quantization
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return extract_quantized(serialized_tensor).requires_grad_(serialized_tensor.requires_grad)
-
-    Quantization.extract = extract  # BlockwiseQuantization keeps its own extract (bitsandbytes format)
-
-
-def _deserialize_parts(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
-    """Reassemble one streamed tensor and decode it; any inconsistency raises MalformedResponse."""
-    head = parts[0]
-    if head.compression not in _ACCEPTED_COMPRESSION or head.dtype not in _ACCEPTED_DTYPES:
-        raise MalformedResponse(f"unsupported tensor encoding {head.compression}/{head.dtype[:32]!r}")
-    if len(parts) != max(head.chunks, 1):
-        raise MalformedResponse(f"tensor announced {head.chunks} parts, got {len(parts)}")
-    serialized = combine_from_streaming(parts)
-    try:
-        if serialized.compression in _QUANTIZED:
-            tensor = extract_quantized(serialized)
-        else:
-            tensor = deserialize_torch_tensor(serialized)
-    except MalformedResponse:
-        raise
-    except Exception as e:  # numpy / torch errors on inconsistent sizes or buffers
-        raise MalformedResponse(f"undecodable tensor: {type(e).__name__}: {str(e)[:200]}") from None
-    # The sender chooses requires_grad on the wire; a received value must never join an autograd graph.
-    return tensor.detach().requires_grad_(False)
 
 
 def _parse_uid(uid: str) -> tuple[int, int] | None:
@@ -335,7 +249,8 @@ class ExpertExchange:
             logger.debug(f"Refusing malformed expert request uid {uid[:40]!r}")
             yield error("bad request")
             return
-        round_id, entry = self._lookup(*parsed, min_round)
+        expert = parsed[0]
+        round_id, entry = self._lookup(expert, parsed[1], min_round)
         if entry is None:
             yield error("missing")
             return

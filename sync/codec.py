@@ -1,0 +1,98 @@
+"""Tensor (de)serialization for expert and state transfers (sync/transfer.py): hivemind's codecs, chosen per
+tensor, and bounded decoding of whatever a remote peer sent. Nothing received is unpickled."""
+from __future__ import annotations
+
+from contextlib import suppress
+
+import numpy as np
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming
+
+_CT = runtime_pb2.CompressionType
+# UNIFORM_8BIT works on any float tensor (bf16 included) with torch alone; BLOCKWISE_8BIT needs bitsandbytes.
+COMPRESSION_TYPES = {"none": _CT.NONE, "fp16": _CT.FLOAT16, "8bit": _CT.UNIFORM_8BIT}
+# Below this size the 8-bit codebook (256 fp32 + 8 bytes) costs more than it saves: send 16-bit instead.
+MIN_8BIT_NUMEL = 4096
+_QUANTIZED = (_CT.UNIFORM_8BIT, _CT.QUANTILE_8BIT)
+_ACCEPTED_COMPRESSION = (_CT.NONE, _CT.FLOAT16, _CT.MEANSTD_16BIT, *_QUANTIZED)
+_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
+_ACCEPTED_DTYPES = set(_FLOAT_DTYPES) | {"int8", "int16", "int32", "int64", "uint8", "bool"}
+
+class MalformedResponse(ValueError):
+    """The remote peer answered with something that is not a well-formed expert."""
+
+
+def serialize_tensor(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
+    """Serialize with the configured codec, choosing a cheaper or safe fallback where the codec does not fit."""
+    if compression == _CT.UNIFORM_8BIT and tensor.is_floating_point() and tensor.numel() >= MIN_8BIT_NUMEL:
+        with suppress(Exception):  # the codec may fail on odd values; 16-bit below is always possible
+            return serialize_torch_tensor(tensor, _CT.UNIFORM_8BIT)
+    if not tensor.is_floating_point() or compression == _CT.NONE and tensor.dtype != torch.bfloat16:
+        return serialize_torch_tensor(tensor, _CT.NONE)
+    if tensor.dtype == torch.bfloat16:
+        # Already 16 bits: send the raw bits (exact). hivemind's own NONE codec would widen bf16 to fp32 unless
+        # USE_LEGACY_BFLOAT16=0, and its FLOAT16 codec refuses bf16; its NONE decoder reads this form either way.
+        return runtime_pb2.Tensor(compression=_CT.NONE, buffer=tensor.view(torch.int16).numpy().tobytes(),
+                                  size=tensor.shape, dtype="bfloat16")
+    if tensor.dtype == torch.float16:
+        return serialize_torch_tensor(tensor, _CT.NONE)
+    return serialize_torch_tensor(tensor, _CT.FLOAT16)
+
+
+def extract_quantized(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """Decode a UNIFORM_8BIT / QUANTILE_8BIT tensor: [int64 n][n fp32 codebook][uint8 indices].
+
+    hivemind 1.1.12's own `Quantization.extract` calls int() on a 1-element array, which the installed numpy 2.4 refuses,
+    so every 8-bit tensor fails to decode there; this is the same format, decoded with bounds checks.
+    """
+    buffer = serialized.buffer
+    if len(buffer) < 8 or serialized.dtype not in _FLOAT_DTYPES:
+        raise MalformedResponse("bad 8-bit tensor header")
+    codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+    if not 0 < codebook_size <= 256 or len(buffer) < 8 + 4 * codebook_size:
+        raise MalformedResponse(f"bad 8-bit codebook size {codebook_size}")
+    codebook = torch.as_tensor(np.frombuffer(buffer, offset=8, count=codebook_size, dtype=np.float32).copy())
+    indices = torch.as_tensor(np.frombuffer(buffer, offset=8 + 4 * codebook_size, dtype=np.uint8).copy())
+    shape = tuple(serialized.size)
+    if int(np.prod(shape, dtype=np.int64)) != indices.numel():
+        raise MalformedResponse("8-bit tensor size does not match its payload")
+    # An index past a short codebook raises IndexError in the lookup: the caller treats that as malformed.
+    return codebook.to(_FLOAT_DTYPES[serialized.dtype])[indices.long()].reshape(shape)
+
+
+def patch_hivemind_8bit_decoder() -> None:
+    """Make hivemind's own 8-bit decoder (used inside averagers) work on numpy 2; idempotent.
+
+    Call before starting a DecentralizedAverager with an 8-bit codec: averagers are forked processes and
+    inherit the patched class.
+    """
+    from hivemind.compression.quantization import Quantization
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return extract_quantized(serialized_tensor).requires_grad_(serialized_tensor.requires_grad)
+
+    Quantization.extract = extract  # BlockwiseQuantization keeps its own extract (bitsandbytes format)
+
+
+def deserialize_parts(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
+    """Reassemble one streamed tensor and decode it; any inconsistency raises MalformedResponse."""
+    head = parts[0]
+    if head.compression not in _ACCEPTED_COMPRESSION or head.dtype not in _ACCEPTED_DTYPES:
+        raise MalformedResponse(f"unsupported tensor encoding {head.compression}/{head.dtype[:32]!r}")
+    if len(parts) != max(head.chunks, 1):
+        raise MalformedResponse(f"tensor announced {head.chunks} parts, got {len(parts)}")
+    serialized = combine_from_streaming(parts)
+    try:
+        if serialized.compression in _QUANTIZED:
+            tensor = extract_quantized(serialized)
+        else:
+            tensor = deserialize_torch_tensor(serialized)
+    except MalformedResponse:
+        raise
+    except Exception as e:  # numpy / torch errors on inconsistent sizes or buffers
+        raise MalformedResponse(f"undecodable tensor: {type(e).__name__}: {str(e)[:200]}") from None
+    # The sender chooses requires_grad on the wire; a received value must never join an autograd graph.
+    return tensor.detach().requires_grad_(False)
