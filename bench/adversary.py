@@ -196,7 +196,7 @@ class Attacker:
         self._init_shared = [p.detach().float().clone() for _, p in self.model.shared_parameters()]
         self._init_experts = {e: {k: v.detach().float().clone() for k, v in self.model.expert_tensors(e).items()}
                               for e in claims}
-        self.sync = SparseSync(self.model, self.swarm, self.cfg.sync, set_owned=self.model.set_owned_experts)
+        self.sync = SparseSync(self.model, self.swarm, self.cfg.sync)
         averager = self.sync.shared.averager
         # Serving corrupted or stale state to joiners would mix a second attack into every other one.
         averager.allow_state_sharing = self.attack == "state"

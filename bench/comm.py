@@ -56,7 +56,7 @@ TOKENS_PER_ROUND = 1000
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "8bit": 1}
 # hivemind's 8-bit format: [int64 n][n = 256 fp32 codebook][uint8 indices]
 CODEBOOK_BYTES = 8 + 256 * 4
-# The paper's 1B shape (SPEC §1, configs/paper-1b.yaml).
+# The paper's 1B shape (configs/paper-1b.yaml).
 PAPER_1B = dict(vocab_size=151665, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, num_experts=16, top_k=2,
                 expert_hidden=2048, seq_len=2048)
 # The paper's shape with d_model and expert_hidden / 6, layers / 3 and vocab / 18: experts (d·F·L), attention (d²·L)
@@ -154,7 +154,7 @@ def running_swarm(model_cfg: "ModelConfig", owned: Sequence[Sequence[int]], sync
                     initial.extend(str(m) for m in dht.get_visible_maddrs())
                 swarm = Swarm(dht, run_id, model_cfg.num_experts, ttl=sync_cfg.record_ttl)
                 model = SpesMoE(model_cfg, owned_experts=experts, seed=0)
-                sync = SparseSync(model, swarm, sync_cfg, set_owned=model.set_owned_experts)
+                sync = SparseSync(model, swarm, sync_cfg)
             except BaseException:
                 dht.shutdown()
                 raise

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # (hivemind 1.1.12's package __init__ does not re-export get_logger: `from hivemind import get_logger` fails.)
-from hivemind.utils.logging import get_logger, use_hivemind_log_handler
+from hivemind.utils.logging import get_logger
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
@@ -111,8 +111,10 @@ class PeakMeter:
 
 
 def setup_logging() -> None:
-    """Show the bench's own log lines (hivemind's handler, on stderr); the result tables go to stdout."""
-    use_hivemind_log_handler("in_root_logger")
+    """Show the bench's own log lines (hivemind's handler, on stderr: peer/logs.py); the result tables go to
+    stdout."""
+    from peer.logs import setup_logging as setup
+    setup()
 
 
 def _own_cpu_s() -> float:

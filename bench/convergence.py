@@ -59,7 +59,7 @@ class Arm:
 
 
 def _split(num_experts: int, peers: int, replication: int) -> list[str]:
-    """Peer i owns a contiguous block; `replication` peers share each block (SPEC §1: node p owns p*m..p*m+m-1)."""
+    """Peer i owns a contiguous block; `replication` peers share each block (as the paper's reference: node p owns p*m..p*m+m-1)."""
     groups = peers // replication
     if groups == 0 or num_experts % groups:
         raise ValueError(f"{num_experts} experts cannot be split over {groups} groups of {replication} peers")

@@ -2,6 +2,7 @@
 
     python -m bench.wan                          # all four arms (≈ 8.5 min on 2 CPU cores, needs root)
     python -m bench.wan --arms spes --steps 20   # one arm, 2 rounds
+    python -m bench.wan --raw-link               # the links alone: libp2p streams, no averaging (≈ 20 s)
 
 Every arm builds a fresh tests/netlab.py `NetLab` (network namespaces, `tc tbf` rate limits, an nftables home NAT),
 starts one `python -m dht_bootstrap` node (unlimited link; also the libp2p relay) and 4 `python -m peer.run`
@@ -149,7 +150,8 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict
 
 
 def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
-            extra_sets: Optional[list[str]] = None, slow_cores: float = SLOW_CORES) -> dict[str, Any]:
+            extra_sets: Optional[list[str]] = None, slow_cores: float = SLOW_CORES,
+            public_mbit: float = PUBLIC_MBIT) -> dict[str, Any]:
     """One arm in a fresh NetLab; returns its per-peer results (everything is torn down afterwards)."""
     from tests.netlab import NetLab
 
@@ -167,8 +169,8 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
                 lab.add_home(name, up_mbit=HOME_UP_MBIT, down_mbit=HOME_DOWN_MBIT)
                 links[name] = (HOME_UP_MBIT, HOME_DOWN_MBIT)
             else:
-                lab.add_public(name, up_mbit=PUBLIC_MBIT)
-                links[name] = (PUBLIC_MBIT, PUBLIC_MBIT)
+                lab.add_public(name, up_mbit=public_mbit)
+                links[name] = (public_mbit, public_mbit)
         boot = lab.python(boot_node, "-m", "dht_bootstrap", "--host-maddrs", f"/ip4/{boot_node.ip}/tcp/31337",
                           "--run-id", RUN_ID, "--num-experts", str(SHAPE["model.num_experts"]),
                           "--status-every", "30", name="boot")
@@ -222,6 +224,43 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
             "seconds": time.monotonic() - t0, "peers": peers}
 
 
+def raw_link(public_mbit: float, nbytes: int = 20_000_000) -> str:
+    """The links alone, without hivemind's averaging or SPES: libp2p streams (tests/netlab_p2p.py agents) through
+    the same `tc tbf` links as the arms. Returns a table: one stream of `nbytes`, and all 12 streams of an
+    all-to-all exchange at once (each peer sends nbytes/3 to each other peer and receives as much: 3 in, 3 out
+    per link, as a round's expert phase), as seconds ÷ link time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.netlab import NetLab
+
+    rate = public_mbit * 1e6 / 8
+    names = [f"p{i}" for i in range(4)]
+    with NetLab(workdir=Path("/tmp") / f"spes-wan-raw-{os.getpid()}") as lab:
+        for name in names:
+            lab.add_public(name, up_mbit=public_mbit)
+        agents = {"p0": lab.p2p_agent("p0")}
+        for name in names[1:]:
+            agents[name] = lab.p2p_agent(name, {"initial_peers": agents["p0"].ready["maddrs"]})
+        ids = {name: agent.ready["peer_id"] for name, agent in agents.items()}
+        pairs = [(a, b) for a in names for b in names if a != b]
+        for a, b in pairs:  # dials and TCP warm-up off the clock
+            agents[a].request("pull", 30, peer=ids[b], nbytes=100_000, timeout=20)
+        one = agents["p1"].request("pull", 120, peer=ids["p0"], nbytes=nbytes, timeout=100)
+        part = nbytes // 3
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            replies = list(pool.map(lambda ab: agents[ab[0]].request("pull", 180, peer=ids[ab[1]], nbytes=part,
+                                                                     timeout=160), pairs))
+    if not one.get("ok") or not all(r.get("ok") for r in replies):
+        raise RuntimeError(f"a raw transfer failed: {one} {[r for r in replies if not r.get('ok')]}")
+    rows = [["one stream", f"{nbytes / MB:.1f}", f"{one['seconds']:.2f}", f"{nbytes / rate:.2f}",
+             f"{one['seconds'] / (nbytes / rate):.2f}"],
+            ["all-to-all, slowest of 12 streams", f"{3 * part / MB:.1f} in + out per peer",
+             f"{max(r['seconds'] for r in replies):.2f}", f"{3 * part / rate:.2f}",
+             f"{max(r['seconds'] for r in replies) / (3 * part / rate):.2f}"]]
+    return (f"bench.wan --raw-link: libp2p streams through {public_mbit:g} Mbit/s tbf links\n\n"
+            + format_table(["transfer", "MB", "seconds", "link time s", "ratio"], rows) + "\n")
+
+
 def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -271,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra peer.run --set for every peer of every arm (e.g. sync.target_group_size=4)")
     p.add_argument("--slow-cores", type=float, default=SLOW_CORES,
                    help="CPU cores (cgroup quota) of the `slow` arm's p3")
+    p.add_argument("--public-mbit", type=float, default=PUBLIC_MBIT,
+                   help="public peers' link rate (symmetric): a slower link shows how much of a round's overhead "
+                        "over link time is the link and how much the CPUs (4 peers share this machine's cores)")
+    p.add_argument("--raw-link", action="store_true",
+                   help="only measure libp2p streams through the same links (no hivemind averaging, no SPES)")
     p.add_argument("--tables-only", action="store_true", help="re-print the tables of --out/results.json")
     p.add_argument("--out", default="bench/results/wan", help="where results.json and table.md go")
     p.add_argument("--work-dir", default="bench/out/wan", help="arm logs and run dirs")
@@ -289,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         logger.error(f"bench.wan needs the network lab: {reason}")
         return 2
+    if args.raw_link:
+        out.mkdir(parents=True, exist_ok=True)
+        text = raw_link(args.public_mbit)
+        (out / "raw-link.md").write_text(text)
+        print(text)
+        return 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
@@ -297,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for arm in arms:
         logger.info(f"arm {arm}: starting")
-        results.append(run_arm(arm, args.steps, args.every, args.arm_timeout, work, args.sets, args.slow_cores))
+        results.append(run_arm(arm, args.steps, args.every, args.arm_timeout, work, args.sets, args.slow_cores,
+                               args.public_mbit))
         logger.info(f"arm {arm}: done in {results[-1]['seconds']:.0f}s")
         (out / "results.json").write_text(json.dumps({"shape": SHAPE, "arms": results}, indent=1))
     text = tables(results)

@@ -1,8 +1,8 @@
-"""`python -m dht_bootstrap`: a long-lived DHT node for a run (SPEC §3).
+"""`python -m dht_bootstrap`: a long-lived DHT node for a run (README, "Join a swarm").
 
 Logs one `initial peer: MADDR` line per visible address at start (what peers pass to `--initial-peers`), then a
-status line every `--status-every` seconds; with `--metrics-port` serves the swarm-level gauges of SPEC §4; with
-`--organizer-key` it enforces a closed run (SPEC §3a) like every peer. Exit codes: 0 after SIGINT/SIGTERM (DHT and
+status line every `--status-every` seconds; with `--metrics-port` serves the swarm-level gauges (README); with
+`--organizer-key` it enforces a closed run (docs/DESIGN.md, "Closed runs") like every peer. Exit codes: 0 after SIGINT/SIGTERM (DHT and
 p2pd shut down); 2 with one line naming the cause for bad input (bad multiaddr, port in use, metrics port in use,
 unreachable initial peer, bad organizer key); 1 if the DHT process dies.
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import signal
 import sys
 import threading
 
-from hivemind.utils.logging import get_logger, use_hivemind_log_handler
+from hivemind.utils.logging import get_logger
+
+from peer.logs import setup_logging
 
 from dht_bootstrap import DEFAULT_PORT, default_host_maddrs
 from dht_bootstrap.node import BootstrapError, BootstrapNode
@@ -109,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     # What is loaded by now (hivemind, torch) lives as long as the process: frozen, it is skipped by every garbage
     # collection, including the one at exit that otherwise takes seconds after the DHT is already down.
     gc.freeze()
-    use_hivemind_log_handler("in_root_logger")
-    logging.getLogger().setLevel(logging.INFO)
+    setup_logging(libraries=False)  # one line per expected network failure (peer/logs.py)
 
     # Handlers first, so a signal during the (seconds-long) start still ends in a clean shutdown.
     stop = threading.Event()
@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
 
     host_maddrs = args.host_maddrs or default_host_maddrs(DEFAULT_PORT if args.port is None else args.port)
+    # As for a peer (docs/DESIGN.md "Run safety"): killed outright, its DHT process and p2pd must not live on.
+    from peer.run import children_die_with_this_peer, keep_p2pd_out_of_terminal_signals
+    keep_p2pd_out_of_terminal_signals()
+    children_die_with_this_peer()
     try:
         node = BootstrapNode(args.run_id, args.num_experts, host_maddrs, args.announce_maddrs, args.identity_path,
                              args.initial_peers, args.metrics_port, organizer_key=args.organizer_key,

@@ -1,4 +1,4 @@
-"""The bootstrap node: a hivemind DHT node that only serves the run's DHT and reports on it (SPEC §3, §4).
+"""The bootstrap node: a hivemind DHT node that only serves the run's DHT and reports on it (README, "Operate a swarm").
 
 It never publishes a peer record or a heartbeat of its own: it reads the run's records (`{run_id}_peers`) through
 sync.swarm, logs a one-line status, and optionally serves the swarm-level Prometheus gauges. Input problems are
@@ -79,7 +79,7 @@ class SwarmStatus:
 
 
 class SwarmGauges:
-    """The bootstrap node's Prometheus gauges (SPEC §4), in a registry of their own."""
+    """The bootstrap node's Prometheus gauges (README, "Operate a swarm"), in a registry of their own."""
 
     def __init__(self, num_experts: int):
         self.registry = CollectorRegistry()
@@ -88,6 +88,8 @@ class SwarmGauges:
                               registry=self.registry)
         self.tokens = Gauge("spes_swarm_tokens_total", "sum of the tokens counters of the live peer records",
                             registry=self.registry)
+        self.uncovered = Gauge("spes_swarm_uncovered_experts", "experts no live peer owns (nobody trains them)",
+                               registry=self.registry)
         for e in range(num_experts):  # one series per expert from the start, 0 until someone owns it
             self.replicas.labels(expert=str(e)).set(0)
         self._server: Any = None
@@ -106,6 +108,7 @@ class SwarmGauges:
         for e, n in status.replicas.items():
             self.replicas.labels(expert=str(e)).set(n)
         self.tokens.set(status.tokens)
+        self.uncovered.set(sum(1 for n in status.replicas.values() if n == 0))
 
     def close(self) -> None:
         if self._server is not None:

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -48,6 +48,40 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(directory: str | Path) -> Path | None:
     found = list_checkpoints(directory)
     return found[-1][1] if found else None
+
+
+def load_newest_complete(directory: str | Path, check: Callable[[dict[str, Any]], None] | None = None,
+                         ) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The newest checkpoint that reads completely (and whose metadata passes `check`, which raises
+    CheckpointError or KeyError/ValueError/TypeError on a bad one), as (path, tensors, metadata); None if there is
+    no checkpoint at all.
+
+    A damaged newer file (a disk that filled up, a copy cut short, bit rot: the atomic rename rules out a crash
+    mid-write) costs one warning naming it, and is renamed to `<name>.corrupt` (kept for inspection, never
+    deleted) so the run's next checkpoint of that step does not overwrite it and it no longer counts as the
+    newest. If no checkpoint reads, the newest one's error is raised and nothing is renamed: the user decides."""
+    found = list_checkpoints(directory)
+    bad: list[tuple[Path, CheckpointError]] = []
+    for _, path in reversed(found):
+        try:
+            tensors, metadata = load_checkpoint(path)
+            if check is not None:
+                check(metadata)
+        except CheckpointError as e:
+            bad.append((path, e))
+            continue
+        except (KeyError, ValueError, TypeError) as e:
+            bad.append((path, CheckpointError(f"corrupt checkpoint {path}: bad trainer state ({e})")))
+            continue
+        for damaged, error in bad:
+            aside = damaged.with_name(damaged.name + ".corrupt")
+            os.replace(damaged, aside)
+            logger.warning(f"{error}; resuming from the previous complete checkpoint {path.name} instead "
+                           f"(the damaged file is kept as {aside.name})")
+        return path, tensors, metadata
+    if bad:
+        raise bad[0][1]
+    return None
 
 
 def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:

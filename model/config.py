@@ -11,7 +11,7 @@ FROZEN_DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass
 class ModelConfig:
-    """Shape of the decoder-only MoE LLM (Qwen3-MoE architecture, SPEC §1)."""
+    """Shape of the decoder-only MoE LLM (Qwen3-MoE architecture; docs/DESIGN.md, "The method")."""
 
     vocab_size: int = 320
     d_model: int = 256

@@ -125,13 +125,25 @@ class SpesMoE(nn.Module):
             bank.set_owned(owned)
         self.owned_experts = frozenset(owned)
 
+    def expert_tensor_names(self, layer: int | None = None) -> list[str]:
+        """The keys of `expert_tensors(e)` (the same for every expert), layer by layer, or those of one `layer`;
+        the first of each layer is the gate projection (fused `gate_up_proj`). sync/ names, orders and sends an
+        expert's tensors by these keys and never builds them itself."""
+        layers = range(self.cfg.n_layers) if layer is None else [layer]
+        return [f"layers.{l}.{name}" for l in layers for name in ExpertSlot.TENSOR_NAMES]
+
     def expert_tensors(self, expert: int) -> dict[str, torch.Tensor]:
-        """All tensors of expert `expert` across layers, keyed `layers.{l}.{name}` (storage dtype, no copy)."""
+        """All tensors of expert `expert` across layers, keyed as `expert_tensor_names()` (storage dtype, no
+        copy; trainable parameters when owned)."""
         out = {}
         for layer_idx, bank in enumerate(self.expert_banks()):
             for name, tensor in bank.bank[expert].tensors().items():
                 out[f"layers.{layer_idx}.{name}"] = tensor
         return out
+
+    def expert_parameters(self, expert: int) -> list[torch.Tensor]:
+        """The live tensors of `expert` (not detached: parameters when owned), in `expert_tensor_names()` order."""
+        return [getattr(bank.bank[expert], name) for bank in self.expert_banks() for name in ExpertSlot.TENSOR_NAMES]
 
     def load_expert_tensors(self, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite expert `expert` in every layer from a dict shaped like `expert_tensors(expert)`."""
@@ -192,7 +204,7 @@ def router_losses(router_logits: tuple[torch.Tensor, ...], top_k: int,
 
 
 def decayed_lb_scale(step: int, max_steps: int, owned: Iterable[int], num_experts: int) -> torch.Tensor:
-    """SPEC §1's decayed load-balance variant: the token counts of this peer's own experts are multiplied by a
+    """The decayed load-balance variant (docs/DESIGN.md, "The method"): the token counts of this peer's own experts are multiplied by a
     factor rising linearly 0.7 -> 1.0 over the first 20 % of training (so more tokens flow to local experts early)."""
     factor = 0.7 + 0.3 * min(step / max(0.2 * max_steps, 1e-9), 1.0)
     scale_E = torch.ones(num_experts)

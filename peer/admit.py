@@ -1,4 +1,4 @@
-"""`python -m peer.admit`: the organizer's tools for a closed run (SPEC §3a).
+"""`python -m peer.admit`: the organizer's tools for a closed run (docs/DESIGN.md, "Closed runs").
 
     keygen  --out ORG_KEY                                   the organizer key pair; prints "organizer key: <BASE64>"
     peer-id --identity-path FILE                            a volunteer's peer ID (the identity is created if missing)
@@ -42,7 +42,7 @@ _days.__name__ = "positive number of days"  # argparse names the type in its mes
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Closed runs: the organizer's key, volunteers' peer IDs, tickets and "
-                                       "revocations (SPEC §3a).")
+                                       "revocations (docs/DESIGN.md, section Closed runs).")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     keygen = commands.add_parser("keygen", help="create the organizer key pair and print its public key",

@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    """Local optimization (SPEC §1: AdamW, cosine with warm-up, z-loss and load-balance loss)."""
+    """Local optimization (AdamW, cosine with warm-up, z-loss and load-balance loss; docs/DESIGN.md, "The method")."""
 
     batch_size: int = 8
     grad_accum: int = 1
@@ -44,7 +44,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     z_loss: float = 0.001
     lb_loss: float = 0.01
-    # Decayed load-balance loss (SPEC §1): own experts' counts scaled 0.7 -> 1.0 over the first 20 % of steps.
+    # Decayed load-balance loss (docs/DESIGN.md, "The method"): own experts' counts scaled 0.7 -> 1.0 over the first 20 % of steps.
     decayed_lb: bool = False
     device: str = "auto"
     # Recompute each decoder layer in backward: activations stop growing with seq_len x batch (costs ~1 forward).
@@ -97,7 +97,7 @@ class MetricsConfig:
 
 @dataclass
 class AdmissionConfig:
-    """Closed runs (SPEC §3a). With no organizer key the run is open: anyone may join."""
+    """Closed runs (docs/DESIGN.md, "Closed runs"). With no organizer key the run is open: anyone may join."""
 
     organizer_key: str = ""
     """The organizer's Ed25519 public key (base64, as `python -m peer.admit keygen` prints it) or a file holding
@@ -109,7 +109,7 @@ class AdmissionConfig:
 
 @dataclass
 class NetworkConfig:
-    """How this peer takes part when it cannot accept connections (SPEC §3a; sync/reach.py). Both off: a public
+    """How this peer takes part when it cannot accept connections (docs/DESIGN.md, "Peers behind NAT"; sync/reach.py). Both off: a public
     peer that others dial directly."""
 
     use_auto_relay: bool = False
@@ -125,7 +125,7 @@ class NetworkConfig:
 
 @dataclass
 class RunConfig:
-    """Everything one peer needs; the YAML file mirrors this structure (SPEC §3b)."""
+    """Everything one peer needs; the YAML file mirrors this structure (configs/*.yaml)."""
 
     run_id: str = "spes-demo"
     run_dir: str = ""

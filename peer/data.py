@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from peer.config import DataConfig
 from peer.corpus import builtin_corpus_path
+from peer.hub import hub_unreachable, offline_mode
 
 logger = get_logger(__name__)
 
@@ -269,6 +270,11 @@ def _load(cfg: DataConfig) -> tuple[datasets.Dataset | datasets.IterableDataset,
         if builder == "text":
             # One document per file for a directory of .txt; a single .txt file splits at blank lines instead.
             kwargs.update(sample_by="document" if path.is_dir() else "paragraph", keep_linebreaks=True)
+    if hub and not offline_mode():
+        reason = hub_unreachable()
+        if reason is not None:  # (offline with a cached copy: HF_DATASETS_OFFLINE=1 reads the cache)
+            raise ValueError(f"cannot read dataset {cfg.dataset}: it is no local path, and {reason} "
+                             f"(set HF_DATASETS_OFFLINE=1 to use a cached copy)")
     try:
         ds = datasets.load_dataset(cfg.dataset if hub else builder, streaming=streaming, **kwargs)
     except Exception as e:  # datasets raises many types (FileNotFound, DatasetGenerationError, Arrow errors, ...)

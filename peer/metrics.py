@@ -1,6 +1,6 @@
-"""Prometheus metrics of one peer (SPEC §4), served with prometheus_client on `--metrics-port`.
+"""Prometheus metrics of one peer (README, "Operate a swarm"), served with prometheus_client on `--metrics-port`.
 
-`PeerMetrics` owns its own CollectorRegistry (no process/GC collectors: the endpoint exposes exactly the SPEC
+`PeerMetrics` owns its own CollectorRegistry (no process/GC collectors: the endpoint exposes exactly the documented
 names). The peer (peer/node.py) feeds it: trainer state after every step, each RoundReport, and the cumulative
 sync counters (blocked time, wire bytes, refusals) that sync/ keeps without knowing about Prometheus. Counters
 here mirror those cumulative values (only their increases are added), so they always equal what the run's
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# prometheus_client adds a `*_created` series to every counter and histogram by default; the SPEC names the
+# prometheus_client adds a `*_created` series to every counter and histogram by default; the documented names are the
 # series a peer exposes, and nobody graphs creation times. Process-wide, which is fine: a peer serves only these.
 disable_created_metrics()
 
@@ -42,7 +42,7 @@ class MetricsPortInUse(OSError):
 
 
 class PeerMetrics:
-    """The SPEC §4 metrics of one peer in their own registry; `serve(port)` exposes them over HTTP."""
+    """The metrics of one peer in their own registry; `serve(port)` exposes them over HTTP."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts

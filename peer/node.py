@@ -4,24 +4,30 @@ With `sync.every > 0` the peer starts a hivemind DHT node: without initial peers
 one `initial peer: MADDR` line per address for others to pass to `--initial-peers`. Every `sync.every` local
 steps it runs a SPES round (sync/rounds.py). With `sync.every: 0` it trains alone and starts nothing.
 
-It also feeds the peer's Prometheus metrics (peer/metrics.py) when given a PeerMetrics, and adds the sync
+The swarm reaches the training loop as a stateful trainer callback (`SyncCallback`, peer/callbacks.py): rounds
+after steps, the last round drained at the end, a rollback on a non-finite loss, and the sync state (round id,
+outer optimizer, ownership history) written into and restored from the trainer's checkpoints. It also feeds
+the peer's Prometheus metrics (peer/metrics.py) when given a PeerMetrics (`MetricsCallback`), and adds the sync
 counters (bytes by kind, blocked seconds) to every metrics.jsonl record.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from typing import Sequence
 
 from hivemind.utils.logging import get_logger
 
+from peer.callbacks import Callback
 from peer.config import RunConfig
 from peer.metrics import PeerMetrics
+from peer.optim import expert_moments, load_expert_moments
 from peer.train import Trainer
 from sync.merge import merge_alpha
 from sync.rounds import RoundReport, SparseSync
 from sync.reach import NetworkMode, PeerDialer, reachability_line
-from sync.swarm import Swarm, start_dht
+from sync.swarm import Swarm, SwarmError, start_dht
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -33,6 +39,19 @@ def round_token_cap(cfg: RunConfig) -> int:
     long for next-token targets, so seq_len tokens per sequence is an upper bound of what a step trains."""
     t = cfg.train
     return cfg.sync.every * t.grad_accum * t.batch_size * cfg.model.seq_len * max(1, getattr(t, "world_size", 1))
+
+
+def _data_seed(cfg: RunConfig, identity_path: str | None) -> int:
+    """This peer's order of the data: each peer reads its own; the model init (train.seed) is the same
+    everywhere. Derived from the peer ID when the identity is kept (--identity-path: the same peer reads the same
+    order), random otherwise (its peer ID is random too). Known before the DHT starts. A resumed peer keeps the
+    seed its checkpoint holds."""
+    if identity_path:
+        from sync.admission import peer_id_from_identity
+        peer_id = peer_id_from_identity(identity_path, create=True)
+        digest = hashlib.sha256(f"{cfg.train.seed}:{peer_id}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
+    return int.from_bytes(os.urandom(4), "little")
 
 
 def _load_admission(cfg: RunConfig, identity_path: str | None):
@@ -63,46 +82,38 @@ class PeerNode:
         # Shared memory, created before the DHT and averager processes fork: they count refusals into it too.
         self.rejects = RejectCounter()
         self.admission = None
-        if cfg.sync.every > 0:
+        syncing = cfg.sync.every > 0
+        if syncing:
             self.admission = _load_admission(cfg, identity_path)
-            mode = NetworkMode(cfg.network.use_auto_relay, cfg.network.client_mode)
-            dht = start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=cfg.run_id,
-                            num_experts=cfg.model.num_experts, record_ttl=cfg.sync.record_ttl,
-                            admission=self.admission, rejects=self.rejects, use_auto_relay=mode.use_auto_relay,
-                            client_mode=mode.client_mode)
-            ticket = getattr(self.admission, "own_ticket", None) or b""
-            self.swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
-                               admission=self.admission, initial_peers=initial_peers)
-            visible = self.swarm.visible_maddrs()
-            for maddr in visible:
-                logger.info(f"initial peer: {maddr}")
-            logger.info(reachability_line(mode, visible, relays=initial_peers))
-            if mode.behind_nat:
-                # Nobody can open a connection to this peer except through a (limited) relay: it opens one to
-                # every peer of the run itself, before joining and then continuously (docs/DESIGN.md).
-                swarm = self.swarm
-                self.dialer = PeerDialer(dht, lambda: swarm.peers().keys(), interval=cfg.sync.record_ttl / 3)
-                try:
-                    logger.info(f"opened connections to {self.dialer.dial_now()} peer(s) of the run")
-                except Exception as e:  # its thread retries after join; a failed first pass is not fatal
-                    logger.warning(f"could not dial the run's peers: {e}")
-            # Each peer reads its own order of the data; the model init (train.seed) stays the same everywhere.
-            digest = hashlib.sha256(f"{cfg.train.seed}:{self.swarm.peer_id}".encode()).digest()
-            data_seed = int.from_bytes(digest[:4], "little")
+            data_seed = _data_seed(cfg, identity_path)
+        self._dht_args = (initial_peers, host_maddrs, announce_maddrs, identity_path)
         try:
-            self.trainer = Trainer(cfg, data_seed=data_seed,
-                                   choose_auto=self.swarm.choose_auto if self.swarm else None)
+            # Everything offline first (device, tokenizer, checkpoint, dataset): a bad path or device costs one
+            # line instead of a DHT start and a join. The DHT starts when `--experts auto` asks the swarm, or after.
+            self.trainer = Trainer(cfg, data_seed=data_seed, choose_auto=self._choose_auto if syncing else None)
+            if syncing:
+                self._start_swarm()
             self.trainer.log_prefix = f"{cfg.run_id} {self.short_id}"
             if self.swarm is not None:
                 gate = None
                 if self.admission is not None:
                     from sync.admission import Gate
                     gate = Gate(self.swarm.dht, self.admission)
-                self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync,
-                                       set_owned=self.trainer.set_owned_experts, rejects=self.rejects,
+                self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync, rejects=self.rejects,
                                        max_weight=round_token_cap(cfg), gate=gate,
                                        bandwidth=cfg.network.upload_mbit or None)
-                self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens) or self.trainer.rounds
+                # Before join: a restarted peer's round id and caretaking are restored, then published.
+                if self.trainer.add_callback(SyncCallback(self)):
+                    logger.info(f"[{self.trainer.log_prefix}] sync state restored: round {self.sync.round_id}, "
+                                f"taking care of experts {self.sync.ownership.caretaking or 'none'}")
+                self.sync.round_id = max(self.sync.round_id, self.trainer.rounds)  # never backwards
+                trainer = self.trainer
+                # Handoff: this peer serves its experts' AdamW moments to a peer taking one over (sync/fetch.py).
+                self.sync.exchange.moments_provider = lambda e: expert_moments(trainer.optimizer, trainer.model, e)
+                self.trainer.rounds = self.sync.join(self.trainer.step, self.trainer.tokens,
+                                                     alone_takes_all=cfg.sync.experts == "auto",
+                                                     take_over_moments=not self.trainer.resumed)
+                self._load_handed_over()
                 if self.dialer is not None:
                     self.dialer.start()
                 want = cfg.sync.wait_for_peers
@@ -114,15 +125,9 @@ class PeerNode:
                     else:
                         logger.info(f"[{self.trainer.log_prefix}] {seen} peers in the run: starting")
                 self._tokens_at_round, self._step_at_round = self.trainer.tokens, self.trainer.step
-                self.trainer.step_hooks.append(self._maybe_sync)
-                self.trainer.nonfinite_hooks.append(self._rollback)
-                self.trainer.end_hooks.append(self._finish)
-                self.trainer.stop_hooks.append(self.sync.leave_soon)
-                self.trainer.record_fields.append(self._sync_fields)
             if self.metrics is not None:
-                # After the sync hook, so a round applied at this step is already counted.
-                self.trainer.step_hooks.append(self._update_metrics)
-                self.trainer.end_hooks.append(self._update_metrics)
+                # After the sync callback, so a round applied at this step is already counted.
+                self.trainer.add_callback(MetricsCallback(self))
                 self._update_metrics(self.trainer)
                 if self.swarm is not None:
                     swarm = self.swarm
@@ -130,6 +135,62 @@ class PeerNode:
         except BaseException:
             self.shutdown()
             raise
+
+    def _load_handed_over(self) -> None:
+        """Install the optimizer moments fetched at join for experts this peer took over (peer/optim.py checks
+        that AdamW could have made them); the others start fresh, as after a death."""
+        trainer, taken = self.trainer, []
+        trainer.follow_ownership()
+        betas = (self.cfg.train.beta1, self.cfg.train.beta2)
+        for expert, tensors in sorted(self.sync.handed_over.items()):
+            problem = load_expert_moments(trainer.optimizer, trainer.model, expert, tensors, betas)
+            if problem is None:
+                taken.append(expert)
+            else:
+                self.rejects.add("norm")
+                logger.warning(f"refused the optimizer moments received for expert {expert}: {problem}")
+        self.sync.handed_over.clear()
+        if taken:
+            logger.info(f"[{trainer.log_prefix}] took over the optimizer state (AdamW moments) of experts {taken} "
+                        f"from the peers that trained them")
+
+    def _choose_auto(self, count: int) -> list[int]:
+        """`--experts auto` for the trainer: start the swarm (after the trainer's offline checks) and ask it."""
+        self._start_swarm()
+        return self.swarm.choose_auto(count)
+
+    def _start_swarm(self) -> None:
+        """Start the DHT node and this peer's membership (once): refuse a peer ID live elsewhere, log the
+        addresses to join and the reachability, and behind a NAT dial the run's peers."""
+        if self.swarm is not None:
+            return
+        cfg = self.cfg
+        initial_peers, host_maddrs, announce_maddrs, identity_path = self._dht_args
+        mode = NetworkMode(cfg.network.use_auto_relay, cfg.network.client_mode)
+        dht = start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=cfg.run_id,
+                        num_experts=cfg.model.num_experts, record_ttl=cfg.sync.record_ttl,
+                        admission=self.admission, rejects=self.rejects, use_auto_relay=mode.use_auto_relay,
+                        client_mode=mode.client_mode)
+        ticket = getattr(self.admission, "own_ticket", None) or b""
+        swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
+                      admission=self.admission, initial_peers=initial_peers)
+        if swarm.live_elsewhere():
+            swarm.shutdown(withdraw=False)  # the record is the other process's: leave it alone
+            raise SwarmError(f"peer ID {swarm.peer_id} is already live in run {cfg.run_id}: another process "
+                             f"uses this identity (give each peer its own --identity-path)")
+        self.swarm = swarm
+        visible = swarm.visible_maddrs()
+        for maddr in visible:
+            logger.info(f"initial peer: {maddr}")
+        logger.info(reachability_line(mode, visible, relays=initial_peers))
+        if mode.behind_nat:
+            # Nobody can open a connection to this peer except through a (limited) relay: it opens one to
+            # every peer of the run itself, before joining and then continuously (docs/DESIGN.md).
+            self.dialer = PeerDialer(dht, lambda: swarm.peers().keys(), interval=cfg.sync.record_ttl / 3)
+            try:
+                logger.info(f"opened connections to {self.dialer.dial_now()} peer(s) of the run")
+            except Exception as e:  # its thread retries after join; a failed first pass is not fatal
+                logger.warning(f"could not dial the run's peers: {e}")
 
     @property
     def short_id(self) -> str:
@@ -173,7 +234,8 @@ class PeerNode:
         """Extra metrics.jsonl fields of a syncing peer (the benchmarks read them)."""
         return {"bytes_sent": self.sync.bytes_sent(), "bytes_received": self.sync.bytes_received(),
                 "blocked_s": self.blocked_seconds, "rejected": self.sync.rejects.counts(),
-                "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone}
+                "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone,
+                "deferred_rounds": self.sync.deferred_rounds}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""
@@ -214,7 +276,11 @@ class PeerNode:
             self.dialer.shutdown()  # it uses the DHT that is about to stop
             self.dialer = None
         if self.sync is not None:
-            self.sync.shutdown()
+            # A peer that completed its run (not stopped, not failed) says so: the peers still running do not
+            # adopt its experts for their last steps.
+            trainer = getattr(self, "trainer", None)
+            done = trainer is not None and trainer.step >= self.cfg.train.max_steps and not trainer.stopped
+            self.sync.shutdown(finished=done)
         else:
             self.swarm.shutdown(withdraw=False)
         logger.info(f"[{self.cfg.run_id} {self.short_id}] left the swarm: DHT and averagers stopped in "
@@ -227,3 +293,51 @@ class PeerNode:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class SyncCallback(Callback):
+    """The swarm in the training loop: a round after steps, the last one drained at the end, a rollback on a
+    non-finite loss right after a round, and the sync state in the trainer's checkpoints (sync/durable.py)."""
+
+    name = "sync"
+
+    def __init__(self, node: PeerNode):
+        self.node = node
+
+    def post_step(self, trainer: Trainer) -> None:
+        self.node._maybe_sync(trainer)
+
+    def on_nonfinite(self, trainer: Trainer, loss: float) -> bool:
+        return self.node._rollback(trainer, loss)
+
+    def on_stop_requested(self) -> None:
+        sync = self.node.sync
+        if sync is not None:
+            sync.leave_soon()
+
+    def post_train(self, trainer: Trainer) -> None:
+        self.node._finish(trainer)
+
+    def record_fields(self, trainer: Trainer) -> dict:
+        return self.node._sync_fields(trainer)
+
+    def state_dict(self):
+        return self.node.sync.state_dict() if self.node.sync is not None else ({}, {})
+
+    def load_state_dict(self, tensors, meta) -> None:
+        self.node.sync.load_state_dict(tensors, meta)
+
+
+class MetricsCallback(Callback):
+    """The peer's Prometheus metrics, updated after every step and at the end (cheap reads only)."""
+
+    name = "metrics"
+
+    def __init__(self, node: PeerNode):
+        self.node = node
+
+    def post_step(self, trainer: Trainer) -> None:
+        self.node._update_metrics(trainer)
+
+    def post_train(self, trainer: Trainer) -> None:
+        self.node._update_metrics(trainer)

@@ -96,3 +96,55 @@ def load_optimizer_state_tensors(optimizer: torch.optim.Optimizer, model: nn.Mod
                                   for k, v in state.items()}
         restored += 1
     return restored
+
+
+def expert_moments(optimizer: torch.optim.Optimizer, model: nn.Module, expert: int) -> dict[str, torch.Tensor] | None:
+    """The AdamW state of an owned expert, keyed like its tensors (`layers.{l}.{name}.exp_avg` / `.exp_avg_sq`,
+    and `step`), for handing it to the expert's next owner; None if the expert has no state (not owned, or no
+    step taken since it was). Copies: the serving thread reads them while training goes on."""
+    if expert not in model.owned_experts:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    step = None
+    for name, param in zip(model.expert_tensor_names(), model.expert_parameters(expert)):
+        state = optimizer.state.get(param)
+        if not state or "exp_avg" not in state:
+            return None
+        out[f"{name}.exp_avg"] = state["exp_avg"].detach().float().cpu().clone()
+        out[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().float().cpu().clone()
+        step = state["step"]
+    out["step"] = torch.as_tensor(float(step)).reshape(())
+    return out
+
+
+def adam_moment_bound(beta1: float, beta2: float) -> float:
+    """The largest |exp_avg| / sqrt(exp_avg_sq) any gradient sequence can produce (both start at zero):
+    Cauchy-Schwarz on the two moving averages gives (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)) when b1^2 < b2
+    (1.17 for 0.9 / 0.95). A received state beyond it was not made by AdamW, and its first update could be far
+    larger than any honest one; within it, AdamW's step stays at most ~lr per element as usual."""
+    if beta1 ** 2 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 ** 2 / beta2))
+
+
+def load_expert_moments(optimizer: torch.optim.Optimizer, model: nn.Module, expert: int,
+                        tensors: dict[str, torch.Tensor], betas: tuple[float, float]) -> str | None:
+    """Install moments received for an owned expert (expert_moments' format, names and shapes already checked).
+    Returns why they were refused (nothing installed), or None once installed."""
+    if expert not in model.owned_experts:
+        return "not owned"
+    bound = adam_moment_bound(*betas) * 1.05 + 1e-6  # a little slack for float rounding
+    step = float(tensors["step"])
+    if not (math.isfinite(step) and 1 <= step < 2 ** 40):
+        return "bad step count"
+    for name in model.expert_tensor_names():
+        m, v = tensors[f"{name}.exp_avg"], tensors[f"{name}.exp_avg_sq"]
+        if bool((v < 0).any()) or bool((m.abs() > bound * v.sqrt() + 1e-12).any()):
+            return f"{name}: moments no AdamW run produces (|exp_avg| > {bound:.2f} sqrt(exp_avg_sq))"
+    for name, param in zip(model.expert_tensor_names(), model.expert_parameters(expert)):
+        optimizer.state[param] = {
+            "step": torch.tensor(step),
+            "exp_avg": tensors[f"{name}.exp_avg"].to(param.device, torch.float32).clone(),
+            "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(param.device, torch.float32).clone(),
+        }
+    return None

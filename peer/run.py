@@ -1,4 +1,4 @@
-"""`python -m peer.run`: train one peer (SPEC §3). With no arguments: the default small model on the built-in
+"""`python -m peer.run`: train one peer (README, "Join a swarm"). With no arguments: the default small model on the built-in
 corpus, on CPU or GPU, with no network access.
 
 Exit codes: 0 on a clean finish (max steps reached, or Ctrl-C/SIGTERM handled after finishing the step and
@@ -10,15 +10,15 @@ import argparse
 import asyncio.subprocess
 import ctypes
 import gc
-import logging
 import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from hivemind.utils.logging import get_logger, use_hivemind_log_handler
+from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 from peer.config import ConfigError, RunConfig, load_config, parse_override
@@ -38,23 +38,50 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _built_in_defaults() -> dict[str, Any]:
+    """The values the flags take when neither they nor --config set them (the built-in config), for --help."""
+    cfg = load_config(None, [])
+    return {"run_id": cfg.run_id, "sync.experts": cfg.sync.experts, "train.max_steps": cfg.train.max_steps,
+            "sync.every": cfg.sync.every, "metrics.port": cfg.metrics.port, "train.device": cfg.train.device,
+            "data.dataset": cfg.data.dataset, "data.tokenizer": cfg.data.tokenizer}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m peer.run", description="Train one SPES peer (Mixture-of-Experts, sparse expert sync).")
-    p.add_argument("--config", metavar="FILE", help="YAML run config; flags override it (default: built-in small config)")
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of peers of an existing swarm to join")
-    p.add_argument("--run-id", help="run name; namespaces every DHT key and the default run dir (config: run_id)")
-    p.add_argument("--experts", help="experts to own: auto (least covered), all, or a list like 0-3,8 (config: sync.experts)")
-    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N local optimizer steps (config: train.max_steps)")
-    p.add_argument("--sync-every", type=int, metavar="H", help="sync every H local steps, 0 = never (config: sync.every)")
+    d = _built_in_defaults()
+
+    def config(key: str) -> str:  # where a flag's default comes from, and what it is without --config
+        return f"(config: {key}; default {d[key]!r})"
+    p = _Parser(prog="python -m peer.run", description="Train one SPES peer (Mixture-of-Experts, sparse expert sync). "
+                "Flags override the config file; every config field can be set with --set.")
+    p.add_argument("--config", metavar="FILE", help="YAML run config (configs/*.yaml); flags override it "
+                   "(default: the built-in small config, which trains on built-in data)")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                   help="multiaddrs of peers of an existing swarm to join, each ending in /p2p/PEER_ID as the first "
+                        "peer's 'initial peer:' log line prints it (default: none, start a new swarm)")
+    p.add_argument("--run-id", help=f"run name; namespaces every DHT key and the default run dir {config('run_id')}")
+    p.add_argument("--experts", help="experts to own: auto (least covered), all, or a list like 0-3,8 "
+                   + config("sync.experts"))
+    p.add_argument("--max-steps", type=int, metavar="N",
+                   help=f"stop after N local optimizer steps {config('train.max_steps')}")
+    p.add_argument("--sync-every", type=int, metavar="H", help=f"sync every H local steps, 0 = never, no swarm "
+                   f"{config('sync.every')}")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics and checkpoints go (default: runs/RUN_ID)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (0 = off)")
-    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="multiaddrs to listen on for the swarm")
-    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="public multiaddrs to announce to other peers")
-    p.add_argument("--identity-path", metavar="FILE", help="private key file for a stable peer ID")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (config: train.device)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help=f"serve Prometheus metrics on this port, 0 = off {config('metrics.port')}")
+    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR",
+                   help="multiaddrs to listen on for the swarm (default: /ip4/0.0.0.0/tcp/0 when joining with "
+                        "--initial-peers, else loopback only, /ip4/127.0.0.1/tcp/0: pass /ip4/0.0.0.0/tcp/PORT to "
+                        "let other machines join a run you start)")
+    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR",
+                   help="public multiaddrs to announce to other peers, e.g. /ip4/203.0.113.7/tcp/31337 behind a "
+                        "forwarded port (default: the listening addresses)")
+    p.add_argument("--identity-path", metavar="FILE", help="private key file for a stable peer ID, created if missing; "
+                   "one per peer (default: a new random peer ID each start)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"where to train {config('train.device')}")
     p.add_argument("--dataset", metavar="NAME_OR_PATH",
-                   help="hub dataset name, local path (txt/jsonl/parquet), or builtin (config: data.dataset)")
-    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="HF tokenizer name/path or builtin (config: data.tokenizer)")
+                   help=f"hub dataset name, local path (txt/jsonl/parquet), or builtin {config('data.dataset')}")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH",
+                   help=f"HF tokenizer name/path or builtin {config('data.tokenizer')}")
     p.add_argument("--organizer-key", metavar="KEY_OR_FILE",
                    help="a closed run: the organizer's public key (base64, as python -m peer.admit keygen prints it) "
                         "or a file holding it; needs --ticket and --identity-path (config: admission.organizer_key)")
@@ -69,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="behind NAT without port forwarding: run the DHT and averagers as hivemind clients, which "
                         "only make requests; experts are served over connections this peer opens to the run's "
                         "peers (config: network.client_mode)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over: move an existing run dir aside to RUN_DIR.old-TIME (never deleted) instead of "
+                        "resuming from it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field by dotted path, e.g. --set model.d_model=512 (repeatable)")
     return p
@@ -99,9 +129,9 @@ def overrides_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def setup_logging() -> None:
-    """One log format for hivemind, transformers and this project: hivemind's handler on the root logger."""
-    use_hivemind_log_handler("in_root_logger")
-    logging.getLogger().setLevel(logging.INFO)
+    """One log format for hivemind, transformers and this project, one line per expected failure (peer/logs.py)."""
+    from peer.logs import setup_logging as setup
+    setup()
 
 
 def parse_maddrs(flag: str, maddrs: Sequence[str]) -> list[Multiaddr]:
@@ -164,6 +194,38 @@ def keep_p2pd_out_of_terminal_signals() -> None:
     asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
 
 
+_dies_with_peer = False
+
+
+def children_die_with_this_peer() -> None:
+    """Every process forked from the calling (main) thread from now on gets SIGTERM when this process dies,
+    however it dies. Idempotent; Linux only.
+
+    hivemind's DHT and averager processes are multiprocessing children: a clean exit stops them, but a peer
+    killed with SIGKILL (the kernel's OOM killer) left them running with parent PID 1, minutes later, holding
+    gigabytes and the port. SIGTERM ends them (StopOnSignal restores the default action in forked children), and
+    their p2pd dies with them (`_p2pd_preexec`). Only forks from this thread: the kernel sends the signal when the
+    forking *thread* exits, so a child forked from a short-lived thread would die with that thread.
+    """
+    global _dies_with_peer
+    if _dies_with_peer or not sys.platform.startswith("linux"):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    forking_thread, peer, forker = threading.get_ident(), os.getpid(), [0]
+
+    def before() -> None:  # hooks are inherited: the children's own forks (their p2pd) must be left alone
+        forker[0] = os.getpid()
+
+    def in_child() -> None:
+        if forker[0] == peer and threading.get_ident() == forking_thread:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != peer:  # the peer died between the fork and the prctl: follow it now
+                os._exit(1)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
+    _dies_with_peer = True
+
+
 def check_admission(cfg: RunConfig, identity_path: str | None) -> None:
     """A closed run: its ticket must be for this run, this peer (the identity's peer ID) and unexpired; checked
     here, before the DHT starts, so a wrong ticket costs one line instead of a peer refused at every door."""
@@ -195,7 +257,7 @@ def start_metrics(cfg: RunConfig) -> "PeerMetrics | None":
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
-    metrics = None
+    metrics = lock = None
     try:
         cfg = load_config(args.config, overrides_from_args(args))
         if cfg.sync.experts not in ("auto", "all"):
@@ -207,20 +269,31 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--use-auto-relay needs --initial-peers (they are the relays)")
         if cfg.network.client_mode and not args.initial_peers:
             raise ConfigError("--client-mode needs --initial-peers (a client cannot start a swarm)")
-        host_maddrs = args.host_maddrs or ("/ip4/0.0.0.0/tcp/0",)
-        parse_maddrs("--initial-peers", args.initial_peers or ())
+        # A peer that starts a run on its own listens on loopback unless told otherwise: the offline default job
+        # should not open a port on every interface. One joining a swarm listens everywhere by default.
+        host_maddrs = args.host_maddrs or (("/ip4/0.0.0.0/tcp/0",) if args.initial_peers else ("/ip4/127.0.0.1/tcp/0",))
+        for maddr in parse_maddrs("--initial-peers", args.initial_peers or ()):
+            if "/p2p/" not in str(maddr):
+                raise ConfigError(f"--initial-peers {maddr} names no peer: the address must end with /p2p/<peer ID>, "
+                                  f"as the first peer's 'initial peer:' log line prints it")
         parse_maddrs("--announce-maddrs", args.announce_maddrs or ())
         hosts = parse_maddrs("--host-maddrs", host_maddrs)
         check_admission(cfg, args.identity_path)
         if cfg.sync.every > 0:
             check_host_ports(hosts)
         metrics = start_metrics(cfg)
+        from peer.rundir import RunDirLock, move_aside
+        if args.fresh:
+            move_aside(cfg.resolved_run_dir())
+        # Held until the process ends: a second peer on this dir would resume and overwrite this one's work.
+        lock = RunDirLock(cfg.resolved_run_dir()).acquire()
         # Heavy imports after argument checks so bad flags fail fast.
         from model.checkpoint import CheckpointError
         from peer.node import PeerNode
         from peer.train import StopOnSignal
         from sync.swarm import SwarmError
         keep_p2pd_out_of_terminal_signals()
+        children_die_with_this_peer()
         # Signals are handled from here on: one during start-up lets start-up finish, then stops cleanly.
         with StopOnSignal() as stop:
             try:
@@ -241,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if metrics is not None:
             metrics.shutdown()
+        if lock is not None:
+            lock.release()
     return 0
 
 

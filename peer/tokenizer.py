@@ -9,6 +9,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from peer.hub import hub_unreachable, offline_mode
+
 BUILTIN_NAME = "builtin"
 EOS_TOKEN = "<|endoftext|>"
 
@@ -53,7 +55,13 @@ def build_tokenizer(name: str) -> PreTrainedTokenizerBase:
     if name == BUILTIN_NAME:
         return _builtin_tokenizer()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        try:  # a local folder or the cache first: no network needed
+            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except OSError:
+            reason = None if offline_mode() else hub_unreachable()
+            if reason is not None:
+                raise ValueError(f"not in the local cache, and {reason}") from None
+            tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot load tokenizer {name!r}: {first}") from None

@@ -1,7 +1,8 @@
 """One peer's training loop: data, model, AdamW over owned experts + shared layers, logs, eval, checkpoints.
 
-The loop is single-peer here; synchronization plugs in through `Trainer.step_hooks` (called after every
-optimizer step) so `sync/` never runs a training loop and this file never talks to the network.
+The loop is single-peer here; synchronization plugs in as a stateful callback (peer/callbacks.py: events after
+every optimizer step and at the end, state carried in this trainer's checkpoints) so `sync/` never runs a training
+loop and this file never talks to the network.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from typing import Callable
 import torch
 from hivemind.utils.logging import get_logger
 
-from model.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
-                              load_model_state, model_state_for_checkpoint, prune_checkpoints, save_checkpoint)
+from model.checkpoint import (CheckpointError, checkpoint_path, load_model_state, load_newest_complete,
+                              model_state_for_checkpoint, prune_checkpoints, save_checkpoint)
 from model.model import SpesMoE, decayed_lb_scale, lm_loss
+from peer.callbacks import Callback, CallbackStateError, join_callback_states, split_callback_state
 from peer.config import RunConfig, save_config
 from peer.data import build_data
 from peer.optim import (build_optimizer, load_optimizer_state_tensors, lr_at, optimizer_state_tensors,
@@ -39,11 +41,24 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_experts(spec: str, cfg: RunConfig) -> list[int]:
-    """Experts to own from --experts without a swarm (sync.every: 0): `auto` takes the lowest indices."""
+    """Experts to own from --experts without a swarm (sync.every: 0): `auto` takes every expert its budget
+    (sync.max_experts_per_peer) allows, lowest indices first: nobody else trains the others (the default job
+    trained 2 of 8 and exported 6 at their random init)."""
     num_experts = cfg.model.num_experts
     if spec == "auto":
-        return list(range(default_experts_per_peer(cfg.sync, num_experts)))
+        return list(range(cfg.sync.max_experts_per_peer or num_experts))
     return parse_expert_list(spec, num_experts)
+
+
+def _check_trainer_state(meta: dict) -> None:
+    """A checkpoint's trainer metadata is whole (KeyError/ValueError/TypeError otherwise): checked before the
+    model is built from it, so a damaged newest checkpoint falls back to the previous one."""
+    int(meta["step"]), int(meta["tokens"]), int(meta.get("rounds", 0))
+    if not isinstance(meta["data"], dict):
+        raise TypeError("data state is not an object")
+    owned = meta.get("owned_experts")
+    if owned is not None and not all(isinstance(e, int) for e in owned):
+        raise TypeError("owned_experts is not a list of ints")
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -78,8 +93,8 @@ class Trainer:
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ValueError(f"tokenizer {cfg.data.tokenizer!r} has {len(self.tokenizer)} tokens but "
                              f"model.vocab_size is {cfg.model.vocab_size}")
-        resume_from = latest_checkpoint(self.ckpt_dir)
-        ckpt_tensors, ckpt_meta = (load_checkpoint(resume_from) if resume_from else ({}, {}))
+        newest = load_newest_complete(self.ckpt_dir, check=_check_trainer_state)
+        resume_from, ckpt_tensors, ckpt_meta = newest if newest is not None else (None, {}, {})
         # A resumed peer keeps its data order (and so continues its epoch exactly).
         self.data_seed = int(ckpt_meta.get("data_seed", data_seed if data_seed is not None else cfg.train.seed))
         self.data = build_data(cfg.data, self.tokenizer, cfg.model.seq_len, self.data_seed)
@@ -88,16 +103,14 @@ class Trainer:
         self.tokens = 0
         self.rounds = 0
         self._stop = False
-        self.step_hooks: list[Callable[["Trainer"], None]] = []
-        # Called once when the loop ends, before the final checkpoint (e.g. to apply an in-flight sync round).
-        self.end_hooks: list[Callable[["Trainer"], None]] = []
-        # Extra fields for each metrics.jsonl record (e.g. the peer's sync counters), so this file stays offline.
-        self.record_fields: list[Callable[["Trainer"], dict]] = []
-        # Called when a step's loss is not finite, before anything is updated; a hook returning True has
-        # restored a good state (the swarm rolled back a round it had just applied), and training goes on.
-        self.nonfinite_hooks: list[Callable[["Trainer", float], bool]] = []
-        # Called when a stop is requested, possibly from a signal handler: they may only set flags.
-        self.stop_hooks: list[Callable[[], None]] = []
+        # Everything that hooks into the loop (the swarm's sync, metrics), in the order added (add_callback).
+        self.callbacks: list[Callback] = []
+        # The resumed checkpoint's callback states, kept to hand them over when callbacks are added (only these
+        # tensors: the model's and optimizer's copies must not stay alive next to the live ones).
+        self._resumed: tuple[dict[str, torch.Tensor], dict] | None = None
+        if resume_from is not None:
+            self._resumed = ({k: v for k, v in ckpt_tensors.items() if k.startswith("callbacks.")}, ckpt_meta)
+        self._resumed_from = resume_from
         # Log lines say which run and which peer they come from; PeerNode sets its short peer ID.
         self.log_prefix = f"{cfg.run_id} solo"
         self.last_loss: float | None = None  # cross-entropy of the latest step (for metrics)
@@ -112,6 +125,9 @@ class Trainer:
         if cfg.train.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.optimizer = build_optimizer(self.model, cfg.train)
+        # The ownership the optimizer's parameters follow: the swarm changes the model's (adoption, hand-back)
+        # and the optimizer catches up before the next step (_follow_ownership).
+        self._optimizer_owned = self.model.owned_experts
         if resume_from is not None:
             self._restore(resume_from, ckpt_tensors, ckpt_meta)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -133,27 +149,70 @@ class Trainer:
         logger.info(f"resumed from {path} at step {self.step} ({self.tokens} tokens)")
 
     def save_checkpoint(self) -> Path:
+        self.follow_ownership()
         path = checkpoint_path(self.ckpt_dir, self.step)
         tensors = model_state_for_checkpoint(self.model)
         tensors.update(optimizer_state_tensors(self.optimizer, self.model))
+        callback_tensors, callback_meta = join_callback_states(self.callbacks)
+        tensors.update(callback_tensors)
         meta = {"step": self.step, "tokens": self.tokens, "rounds": self.rounds,
                 "owned_experts": sorted(self.model.owned_experts), "data": self.data.train.state_dict(),
-                "data_seed": self.data_seed, "run_id": self.cfg.run_id}
+                "data_seed": self.data_seed, "run_id": self.cfg.run_id, "callbacks": callback_meta}
         save_checkpoint(path, tensors, meta)
         prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_checkpoints)
         logger.info(f"checkpoint written: {path}")
         return path
 
+    def add_callback(self, callback: Callback) -> bool:
+        """Hook `callback` into the loop (after those added before). On a resumed trainer, the state the
+        checkpoint holds for a callback of its name is loaded into it first; returns True if it was. A malformed
+        state is a warning, and the callback starts fresh: the model and optimizer are already restored, and a
+        callback's state (the sync round, ownership history) is rebuilt from the swarm."""
+        self.callbacks.append(callback)
+        if self._resumed is None:
+            return False
+        try:
+            state = split_callback_state(callback.name, *self._resumed)
+            if state is None:
+                return False
+            callback.load_state_dict(*state)
+            return True
+        except (CallbackStateError, KeyError, ValueError, TypeError) as e:
+            logger.warning(f"checkpoint {self._resumed_from}: the {callback.name} state is unusable ({e}); "
+                           f"starting it fresh")
+            return False
+        finally:  # handed over (or refused): its tensors need not stay in memory (an outer optimizer's are big)
+            prefix = f"callbacks.{callback.name}."
+            tensors, meta = self._resumed
+            self._resumed = ({k: v for k, v in tensors.items() if not k.startswith(prefix)}, meta)
+
     def set_owned_experts(self, experts: list[int]) -> None:
         """Change ownership at run time: experts move between trainable and frozen, optimizer follows."""
         self.model.set_owned_experts(experts)
-        sync_optimizer_params(self.optimizer, self.model)
+        self.follow_ownership()
+
+    def follow_ownership(self) -> None:
+        """Give the optimizer the model's trainable parameters if ownership changed since it last looked (the
+        sync callback changes the model's ownership; its new experts' parameters are new tensors)."""
+        if self.model.owned_experts != self._optimizer_owned:
+            sync_optimizer_params(self.optimizer, self.model)
+            self._optimizer_owned = self.model.owned_experts
+
+    @property
+    def resumed(self) -> bool:
+        """It continues from a checkpoint (which holds its optimizer state)."""
+        return self._resumed_from is not None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop was requested (signal, or a callback): the run did not end by completing max_steps."""
+        return self._stop
 
     def request_stop(self) -> None:
-        """Stop after the current step (may run inside a signal handler: hooks only set flags)."""
+        """Stop after the current step (may run inside a signal handler: callbacks only set flags)."""
         self._stop = True
-        for hook in self.stop_hooks:
-            hook()
+        for callback in self.callbacks:
+            callback.on_stop_requested()
 
     # ---- steps ------------------------------------------------------------------------------------------
 
@@ -165,6 +224,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over grad_accum micro-batches; returns mean loss parts."""
         tcfg = self.cfg.train
+        self.follow_ownership()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, tcfg)
         self.model.train()
@@ -234,12 +294,12 @@ class Trainer:
             try:
                 parts = self.train_step()
             except NonFiniteLoss as e:
-                if any(hook(self, e.loss) for hook in self.nonfinite_hooks):
+                if any(callback.on_nonfinite(self, e.loss) for callback in self.callbacks):
                     continue  # restored: retry this step from the restored values
                 raise FloatingPointError(f"loss became {e.loss} at step {self.step + 1}") from None
             self.last_loss = parts["ce"]
-            for hook in self.step_hooks:
-                hook(self)
+            for callback in self.callbacks:
+                callback.post_step(self)
             window_loss += parts["ce"]
             window_n += 1
             record = None
@@ -263,17 +323,21 @@ class Trainer:
                                     "owned_experts": sorted(self.model.owned_experts), "time": time.time()}
                 record["eval_loss"] = eval_loss
             if record is not None:
-                for fields in self.record_fields:
-                    record.update(fields(self))
+                for callback in self.callbacks:
+                    record.update(callback.record_fields(self))
                 self._write_metrics(record)
-            if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0:
+            ending = self.step >= tcfg.max_steps or self._stop
+            # The last checkpoint is written below, after post_train: it applies the final sync round, which a
+            # checkpoint of the last step written here would miss (two peers' final checkpoints then differed).
+            if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and not ending:
                 self.save_checkpoint()
                 last_saved = self.step
         if self._stop:
             logger.info(f"[{self.log_prefix}] stop requested: finished step {self.step}")
-        for hook in self.end_hooks:
-            hook(self)
-        if tcfg.checkpoint_every and last_saved != self.step:
+        rounds_before = self.rounds
+        for callback in self.callbacks:
+            callback.post_train(self)
+        if tcfg.checkpoint_every and (last_saved != self.step or self.rounds != rounds_before):
             self.save_checkpoint()
 
 

@@ -1,4 +1,4 @@
-"""Closed runs (SPEC §3a): organizer keys, tickets, revocations and the admission check at every door.
+"""Closed runs (docs/DESIGN.md, "Closed runs"): organizer keys, tickets, revocations and the admission check at every door.
 
 A run is closed when it has an organizer key (Ed25519). The organizer signs a *ticket* for each admitted peer:
 its signature over (run id, peer ID, expiry). A *revocation* is the organizer's signature over (run id, peer ID)

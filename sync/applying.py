@@ -4,22 +4,31 @@
 `_expert_synced`, the replica averager `_expert_avg`). Results are applied as deltas against the round's
 snapshots ("live += result - snapshot", so what was trained during the round is kept); the state before each
 applied round is kept so that a non-finite loss right after it rolls back (docs/DESIGN.md, "Hostile peers").
+After a round, ownership follows the records it read (adopt orphans, give adopted experts back: sync.ownership),
+and a peer that keeps averaging with nobody says so.
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils.logging import get_logger
 
 from sync.fetch import Snapshot
+from sync.delta import rebased
 from sync.merge import merge_deltas
+from sync.swarm import PeerRecord
+
+if TYPE_CHECKING:
+    from sync.rounds import RoundReport
 
 logger = get_logger(__name__)
 
 
 class Applying:
-    """Mixin of SparseSync: measure a round's own change, apply results and the merge warm-up, roll back."""
+    """Mixin of SparseSync: measure a round's own change, apply results and the merge warm-up, roll back, and
+    the ownership changes after a round."""
 
     def _relative_change(self, own: dict[int, Snapshot]) -> float:
         """How much an honest round changed this peer's tensors, relative to their size: the largest of the
@@ -69,7 +78,7 @@ class Applying:
         synced = {e: means.get(e, snapshot) for e, snapshot in own.items()}
         if all_reduced and self._expert_avg is not None:
             # The replicas' all-reduce result as apply() accepted it (refused tensors: this peer's snapshot).
-            names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
+            names = self.model.expert_tensor_names()
             values = iter(self._expert_avg.synced)
             synced = {e: {name: next(values).clone() for name in names} for e in self._expert_avg_key}
         return synced
@@ -79,7 +88,8 @@ class Applying:
         """Warm-up merge of the owned experts from this round's synchronized snapshot of every expert."""
         snapshot = {e: synced_owned.get(e) or self.model.expert_tensors(e) for e in range(self.model.cfg.num_experts)}
         owned = sorted(e for e in synced_owned if e in self.model.owned_experts)
-        deltas = merge_deltas(snapshot, owned, alpha, self.cfg.merge.topk, self.model.cfg.n_layers)
+        deltas = merge_deltas(snapshot, owned, alpha, self.cfg.merge.topk,
+                              [self.model.expert_tensor_names(l) for l in range(self.model.cfg.n_layers)])
         for expert, delta in deltas.items():
             live = self.model.expert_tensors(expert)
             self.model.load_expert_tensors(expert, {k: live[k].float() + delta[k] for k in live})
@@ -89,7 +99,64 @@ class Applying:
     def _apply_experts(self, means: dict[int, Snapshot], own: dict[int, Snapshot]) -> None:
         for expert, mean in means.items():
             if expert in own and expert in self.model.owned_experts:
-                # Keep what this peer trained since the snapshot: new = mean + (live - snapshot).
+                # Keep what this peer trained since the snapshot (sync/delta.py).
                 live = self.model.expert_tensors(expert)
-                mean = {k: mean[k] + (live[k].float() - own[expert][k].float()) for k in mean}
+                mean = {k: rebased(live[k], mean[k], own[expert][k]) for k in mean}
             self.model.load_expert_tensors(expert, mean)
+
+    def _track_alone(self, report: "RoundReport") -> None:
+        """A warning (and spes_sync_alone_rounds) when this peer keeps averaging with nobody while others exist:
+        e.g. every group it finds is refused, or its records cannot be read (issue 9, "Visibility")."""
+        if report.peers_seen > 1 and report.group_size <= 1 and not self.follower:
+            self.rounds_alone += 1
+            if self.rounds_alone % self.cfg.alone_warn_rounds == 0:
+                logger.warning(f"averaged with nobody for {self.rounds_alone} rounds in a row although "
+                               f"{report.peers_seen - 1} other peer(s) are in the run")
+        else:
+            self.rounds_alone = 0
+
+    def _adopt(self, records: dict[str, PeerRecord], averaged: set[int], cut_off: bool) -> tuple[list[int], list[int]]:
+        """Ownership changes after a round (sync.ownership): give adopted experts back to an owner that returned,
+        adopt orphans. Returns (adopted, given back)."""
+        self.ownership.observe(records)
+        owned = set(self.model.owned_experts)
+        back = self.ownership.to_release(owned, records, averaged)
+        adopt = self.ownership.to_adopt(owned - set(back), records, cut_off)
+        now_owned = (owned - set(back)) | set(adopt)
+        # Experts whose owner finished its run are left alone on purpose (Swarm.finish): no warning for them.
+        uncovered = sorted(set(self.swarm.uncovered(now_owned, records)) - self.swarm.finished_experts())
+        others = [r for p, r in records.items() if p != self.swarm.peer_id]
+        room = any(r.room(self.model.cfg.num_experts) > 0 for r in others) or len(now_owned) < self.max_owned
+        if uncovered and not room and not cut_off:
+            # One line per round while it lasts: nobody trains these experts, and nobody has room to adopt them.
+            logger.warning(f"experts {uncovered} have no owner and none of the {len(others) + 1} live peer(s) has "
+                           f"room to adopt them: all are at their budget (sync.max_experts_per_peer)")
+        if not adopt and not back:
+            return [], []
+        if adopt:
+            logger.info(f"adopting experts {adopt}: no live owner; taking care of them until a peer owns them "
+                        f"for good")
+        owned = sorted((owned - set(back)) | set(adopt))
+        self.model.set_owned_experts(owned)
+        for expert in back:
+            self._expert_synced.pop(expert, None)
+        for expert in adopt:  # its last synchronized value is what this peer holds of it now
+            self._expert_synced[expert] = {k: v.detach().float().cpu().clone()
+                                           for k, v in self.model.expert_tensors(expert).items()}
+        self.swarm.publish(experts=owned, caretaking=self.ownership.caretaking)
+        return adopt, back
+
+    def _care_for_all_at_start(self) -> None:
+        """The run's first peer, alone: it takes care of every expert its budget allows until other peers take
+        them over (sync.ownership), instead of training its share and leaving the rest at their random init."""
+        owned = set(self.model.owned_experts)
+        extra = self.swarm.orphans_to_adopt(owned, self.max_owned, {})
+        if not extra:
+            return
+        self.ownership.care_for(extra)
+        self.model.set_owned_experts(sorted(owned | set(extra)))
+        self._reset_expert_references()
+        self.swarm.record.caretaking = self.ownership.caretaking
+        logger.info(f"alone in the run: training experts {sorted(owned | set(extra))} of "
+                    f"{self.model.cfg.num_experts} ({sorted(extra)} taken care of until other peers take them over; "
+                    f"budget {self.max_owned}, sync.max_experts_per_peer)")

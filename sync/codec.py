@@ -2,12 +2,14 @@
 tensor, and bounded decoding of whatever a remote peer sent. Nothing received is unpickled."""
 from __future__ import annotations
 
+import re
 from contextlib import suppress
 
 import numpy as np
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 
 _CT = runtime_pb2.CompressionType
@@ -96,3 +98,59 @@ def deserialize_parts(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
         raise MalformedResponse(f"undecodable tensor: {type(e).__name__}: {str(e)[:200]}") from None
     # The sender chooses requires_grad on the wire; a received value must never join an autograd graph.
     return tensor.detach().requires_grad_(False)
+
+
+# ---- wire format of sync/transfer.py's requests and responses -------------------------------------------------
+
+# ASCII digits only ("\d" would accept other scripts' digits); the length bound keeps int() cheap. An optional
+# "m" asks for the owner's optimizer moments of the expert instead of its values (handoff, sync/fetch.py).
+_UID_RE = re.compile(r"(m?)([0-9]{1,9})@([0-9]{1,18})")
+_MAX_NAMES, _MAX_NAME_LEN = 100_000, 1_000
+_MAX_REQUEST_METADATA = 256
+
+
+def parse_uid(uid: str) -> tuple[bool, int, int] | None:
+    """(moments?, expert, round) of a request uid "[m]{expert}@{round}", None if malformed."""
+    match = _UID_RE.fullmatch(uid) if isinstance(uid, str) and len(uid) <= 32 else None
+    return (match.group(1) == "m", int(match.group(2)), int(match.group(3))) if match else None
+
+
+def parse_request_metadata(raw: bytes) -> tuple[bool, int | None]:
+    """(well-formed, min_round) of a request's optional metadata."""
+    if not raw:
+        return True, None
+    if len(raw) > _MAX_REQUEST_METADATA:
+        return False, None
+    try:
+        meta = MSGPackSerializer.loads(raw)
+    except Exception:
+        return False, None
+    if not isinstance(meta, dict):
+        return False, None
+    min_round = meta.get("min_round")
+    if min_round is not None and (isinstance(min_round, bool) or not isinstance(min_round, int) or min_round < 0):
+        return False, None
+    return True, min_round
+
+
+def parse_metadata(raw: bytes) -> dict:
+    if not raw:
+        raise MalformedResponse("first message carries no metadata")
+    try:
+        meta = MSGPackSerializer.loads(raw)
+    except Exception as e:
+        raise MalformedResponse(f"undecodable metadata: {type(e).__name__}") from None
+    if not isinstance(meta, dict):
+        raise MalformedResponse("metadata is not a map")
+    if "error" in meta:
+        if not isinstance(meta["error"], str):
+            raise MalformedResponse("metadata error is not a string")
+        return meta
+    names, round_id = meta.get("names"), meta.get("round")
+    if (not isinstance(names, list) or len(names) > _MAX_NAMES
+            or not all(isinstance(n, str) and len(n) <= _MAX_NAME_LEN for n in names)
+            or len(set(names)) != len(names)):
+        raise MalformedResponse("metadata names are not a list of distinct strings")
+    if not isinstance(round_id, int) or isinstance(round_id, bool):
+        raise MalformedResponse("metadata round is not an int")
+    return meta

@@ -1,4 +1,4 @@
-"""Synchronization configuration (SPEC §1, §3b): how often peers sync and which experts a peer owns.
+"""Synchronization configuration (docs/DESIGN.md, "The method"): how often peers sync and which experts a peer owns.
 
 Kept free of hivemind imports so the peer can parse configs without starting anything.
 """

@@ -7,7 +7,8 @@ staleness `_stale`) and owns the owners' strike counts and running fetches. For 
 owner's copy for this round is fetched at once (one stream per owner and expert, `sync.transfer.ExpertExchange`),
 each copy checked (shape, finiteness, norm, change in proportion to an honest round's) and 3+ copies combined
 robustly. A fetch still running at the round's deadline stays in flight and is never asked again; its copy is
-used in the round during which it arrives (late copies: one slow uplink must not hold every round up). An owner
+used in the round during which it arrives (late copies: one slow uplink must not hold every round up), and an
+owner whose last copy took longer than a round's deadline is not waited for until one of its copies is quick. An owner
 that let a fetch time out is skipped for 2, 4, 8.. rounds and then asked with a short timeout; its strikes are
 forgotten when its record expires, so a peer whose link came back is asked like anyone else.
 """
@@ -73,6 +74,41 @@ class ExpertFetching:
             self.model.load_expert_tensors(expert, mean)
         self._reset_expert_references()
 
+    def _take_over_moments(self, experts: list[int], others: dict[str, PeerRecord]) -> None:
+        """Handoff (docs/DESIGN.md, "Coverage"): the AdamW moments of experts this peer takes over, from a peer
+        that trains them now (its caretaker first, else a co-owner), so the new owner does not restart them from
+        zero. Checked here for names, shapes and finiteness; the optimizer's own invariant is checked where they
+        are loaded (peer/optim.py). Kept in `handed_over` for the training loop."""
+        timeout = min(self.cfg.round_timeout, 30.0)
+        for expert in experts:
+            holders = [p for p, r in others.items() if expert in r.experts]
+            random.shuffle(holders)
+            holders.sort(key=lambda p: expert not in others[p].caretaking)
+            for peer_id in holders[:2]:  # a second source if the first has none or sends garbage
+                tensors = self.exchange.fetch_moments(PeerID.from_base58(peer_id), expert, timeout)
+                if tensors is None:
+                    continue
+                reason = self._moments_problem(expert, tensors)
+                if reason is None:
+                    self.handed_over[expert] = tensors
+                    break
+                self.rejects.add(reason)
+                logger.warning(f"refused the optimizer moments of expert {expert} from peer ...{peer_id[-6:]}: "
+                               f"{reason}")
+
+    def _moments_problem(self, expert: int, tensors: dict[str, torch.Tensor]) -> str | None:
+        """Why a received set of moments is unusable (a REJECT_REASONS entry), or None."""
+        live = self.model.expert_tensors(expert)
+        want = {f"{n}.{k}" for n in live for k in ("exp_avg", "exp_avg_sq")} | {"step"}
+        if set(tensors) != want:
+            return "malformed"
+        if tensors["step"].numel() != 1 or any(tensors[f"{n}.{k}"].shape != t.shape for n, t in live.items()
+                                                  for k in ("exp_avg", "exp_avg_sq")):
+            return "shape"
+        if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in tensors.values()):
+            return "nonfinite"
+        return None
+
     def _download_shared(self, sources: list[str], want: int) -> list[list[torch.Tensor]]:
         """Shared-state copies from up to `want` of `sources` (fetched concurrently, more tried if some fail)."""
         timeout = min(self.cfg.round_timeout, 30.0)
@@ -93,6 +129,8 @@ class ExpertFetching:
             # Its record expired (it left, or its link was down): if it comes back it is asked like anyone else.
             self._strikes.pop(peer_id, None)
             self._retry_at.pop(peer_id, None)
+        for peer_id in [p for p in self._owner_seconds if p not in records]:
+            del self._owner_seconds[peer_id]
 
     def _fetch_means(self, others: dict[str, PeerRecord], want: set[int], own_snapshots: dict[int, Snapshot],
                      rel_change: float | None = None) -> dict[int, Snapshot]:
@@ -136,15 +174,22 @@ class ExpertFetching:
         `rel_change` (this peer's own relative change this round; None when joining, where there is no
         synchronized value to compare with): a copy whose change from the last synchronized value exceeds
         sync.max_delta_ratio x that (x rounds since the expert last synchronized) is refused as "delta"."""
+        # An owner whose last copy took longer than this round has left is not waited for at all (its fetch runs
+        # on and is used when it arrives): a 5 Mbit/s uplink otherwise cost every fast peer the whole deadline in
+        # every round that asked it anew. Its next quick copy makes it waited for again.
+        left = deadline - time.monotonic()
+        seconds = self._owner_seconds
         waiting = [self._inflight[(e, p)].future for e, peers in owners.items() for p in peers
-                   if (e, p) in self._inflight and not self._inflight[(e, p)].late]
-        concurrent.futures.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
+                   if (e, p) in self._inflight and not self._inflight[(e, p)].late and seconds.get(p, 0.0) <= left]
+        concurrent.futures.wait(waiting, timeout=max(0.0, left))
         received: dict[int, list[tuple[int, Snapshot]]] = {}
         for key in [k for k, f in self._inflight.items() if f.future.done()]:
             expert, peer_id = key
             fetch = self._inflight.pop(key)
             copy = fetch.future.result() if not fetch.future.cancelled() and not fetch.future.exception() else None
             self._note_serving(peer_id, copy is not None or fetch.elapsed() < 0.8 * fetch.timeout)
+            if copy is not None:
+                self._owner_seconds[peer_id] = fetch.elapsed()
             if copy is None or expert not in owners:
                 continue  # unavailable, or a late copy of an expert no longer wanted here
             reference = own_snapshots.get(expert) or self.model.expert_tensors(expert)

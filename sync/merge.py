@@ -1,4 +1,4 @@
-"""SPES expert-merging warm-up (SPEC §1): early in training, pull each expert toward its most similar peers.
+"""SPES expert-merging warm-up (docs/DESIGN.md, "The method"): early in training, pull each expert toward its most similar peers.
 
 At sync rounds started at a step that is a multiple of `merge.interval`, while
 `alpha = merge.alpha * (1 - min(step / merge.decay_steps, 1)) > 0`, per layer:
@@ -41,16 +41,16 @@ def merge_neighbours(gate_up_EFD: torch.Tensor, topk: int) -> torch.Tensor:
 
 @torch.no_grad()
 def merge_deltas(snapshot: dict[int, Snapshot], targets: list[int], alpha: float, topk: int,
-                 n_layers: int) -> dict[int, Snapshot]:
+                 layers: list[list[str]]) -> dict[int, Snapshot]:
     """alpha * mean_j (e_j - e_i) for each expert i in `targets`, per tensor, from the pre-merge `snapshot`
-    (which must hold every expert of the model)."""
+    (which must hold every expert of the model). `layers`: each layer's tensor names, gate projection first
+    (SpesMoE.expert_tensor_names(layer))."""
     experts = sorted(snapshot)
     position = {e: k for k, e in enumerate(experts)}
     deltas: dict[int, Snapshot] = {e: {} for e in targets}
     if len(experts) < 2:
         return {e: {k: torch.zeros_like(v, dtype=torch.float32) for k, v in snapshot[e].items()} for e in targets}
-    for layer in range(n_layers):
-        names = [f"layers.{layer}.gate_up_proj", f"layers.{layer}.down_proj"]
+    for names in layers:
         gate_up_EFD = torch.stack([snapshot[e][names[0]].float() for e in experts])
         neighbours_EK = merge_neighbours(gate_up_EFD, topk)
         for name in names:

@@ -29,6 +29,7 @@ class SwarmProgress:
         self.swarm, self.poll = swarm, poll
         self._records: dict[str, PeerRecord] = {}
         self._read_at = 0.0
+        self._reads_without_others = 0  # consecutive complete reads showing no other group-joining peer
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -45,6 +46,9 @@ class SwarmProgress:
                 self.swarm.rejoin_if_cut_off()
                 records = self.swarm.peers()
                 self._records, self._read_at = records, time.monotonic()
+                if self.swarm.peer_id in records:  # a read lacking this peer's own record tells nothing
+                    alone = not any(not r.follows for p, r in records.items() if p != self.swarm.peer_id)
+                    self._reads_without_others = self._reads_without_others + 1 if alone else 0
             except Exception as e:  # a DHT that is restarting or partitioned: keep the last view, try again
                 logger.debug(f"reading peer records failed: {e!r}")
             self._stop.wait(self.poll)
@@ -54,6 +58,14 @@ class SwarmProgress:
         if max_age is not None and time.monotonic() - self._read_at > max_age:
             return {}
         return {p: r for p, r in self._records.items() if p != self.swarm.peer_id}
+
+    def nobody_else(self, reads: int, max_age: float) -> bool:
+        """The last `reads` complete reads in a row (the latest within `max_age` seconds) showed no other peer
+        that joins all-reduce groups. One read is not enough: a DHT read can come back with this peer's own
+        record alone (from its local storage) while the others are still there (test_closed_run: the first
+        peer to finish gave up its last round's group, and the other then averaged that round alone)."""
+        fresh = self._thread is not None and time.monotonic() - self._read_at <= max_age
+        return fresh and self._reads_without_others >= reads
 
     def swarm_round(self, max_age: float | None = None) -> int | None:
         """Lower median of the other peers' rounds, None when none is known."""

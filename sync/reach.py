@@ -1,4 +1,4 @@
-"""Peers behind NAT (issue 13, SPEC §3a `--use-auto-relay` / `--client-mode`; docs/DESIGN.md "Peers behind NAT").
+"""Peers behind NAT (`--use-auto-relay` / `--client-mode`; docs/DESIGN.md, "Peers behind NAT").
 
 A home peer without a forwarded port can open connections but accept none. Two ways to take part anyway:
 

@@ -49,6 +49,13 @@ MAX_TICKET_BYTES, MAX_VALUE_BYTES = 2048, 16384
 # Revocations must outlive the tickets they revoke; they are organizer-signed, so a long bound plants nothing.
 REVOCATION_LIFETIME = 366 * 86400.0
 _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
+# budget: the most experts the peer may own; caretaking: owned experts it only holds until another peer takes them
+# (sync.ownership, docs/DESIGN.md "Coverage").
+# finished: the peer completed its fixed-length run and left; its experts are not adopted (docs/DESIGN.md
+# "Coverage").
+# claims: experts a joiner (owning none yet) means to take (sync.swarm.Swarm.choose_auto).
+# origin: [machine hash, PID] of the publishing process (sync.swarm.process_origin).
+_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin"}
 
 
 def peers_key(run_id: str) -> str:
@@ -90,16 +97,30 @@ def ephemeral_identity() -> tuple[str, str]:
     return path, directory
 
 
+def _expert_list(experts: Any, num_experts: int) -> bool:
+    return (isinstance(experts, list) and len(experts) <= num_experts and len(set(experts)) == len(experts)
+            and all(type(e) is int and 0 <= e < num_experts for e in experts))
+
+
 def check_record_payload(value: Any, num_experts: int) -> bool:
     """The exact schema of a peer record's payload (see sync.swarm.PeerRecord.to_value)."""
-    if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | {"ticket", "follows"}:
+    if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | _OPTIONAL_FIELDS:
         return False
-    if "follows" in value and value["follows"] is not True:
+    if ("follows" in value and value["follows"] is not True) or ("finished" in value and value["finished"] is not True):
+        return False
+    if "budget" in value and not (type(value["budget"]) is int and 1 <= value["budget"] <= num_experts):
         return False
     experts = value["experts"]
-    if not isinstance(experts, list) or len(experts) > num_experts:
+    if not _expert_list(experts, num_experts):
         return False
-    if not all(type(e) is int and 0 <= e < num_experts for e in experts) or len(set(experts)) != len(experts):
+    caretaking = value.get("caretaking", [])
+    if not _expert_list(caretaking, num_experts) or not set(caretaking) <= set(experts):
+        return False
+    if not _expert_list(value.get("claims", []), num_experts):
+        return False
+    origin = value.get("origin", [0, 0])
+    if not (isinstance(origin, list) and len(origin) == 2 and isinstance(origin[0], (str, int))
+            and len(str(origin[0])) <= 16 and type(origin[1]) is int and 0 <= origin[1] < 2 ** 32):
         return False
     for name, bound in (("round", MAX_ROUND), ("step", MAX_STEP), ("tokens", MAX_TOKENS)):
         if type(value[name]) is not int or not 0 <= value[name] <= bound:

@@ -1,4 +1,4 @@
-"""SPES sync rounds for one peer (SPEC §1 "Sync every H local steps", §2b).
+"""SPES sync rounds for one peer (docs/DESIGN.md, "The method" and "A round").
 
 A round, started by the peer every `sync.every` local steps (earlier when the other peers already started it:
 `round_due`, sync/progress.py):
@@ -13,7 +13,8 @@ A round, started by the peer every `sync.every` local steps (earlier when the ot
 3. at a later step boundary (training thread) the results are applied as deltas against the snapshots
    (one-round-delayed update), experts without a live owner are adopted and adopted ones given back to an owner
    that returned (sync/ownership.py), and a peer that fell more than one round behind re-downloads the swarm's
-   state instead of averaging stale values. Expert fetching and its checks live in sync/fetch.py.
+   state instead of averaging stale values. Expert fetching and its checks live in sync/fetch.py, applying
+   in sync/applying.py, replica averaging and byte counts in sync/replicas.py.
 `overlap: false` (or `round()`) does all of it at once, blocking.
 
 Against hostile peers (docs/DESIGN.md, "Hostile peers"): the swarm's round is the median of live records;
@@ -32,7 +33,6 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -41,11 +41,14 @@ from hivemind.utils.logging import get_logger
 from model.model import SpesMoE
 from sync.config import SyncConfig
 from sync.applying import Applying
+from sync.durable import Durable
+from sync.replicas import Replicas
 from sync.fetch import ExpertFetching, Snapshot
 from sync.merge import merge_alpha, merge_due
 from sync.shared import SharedAverager
 from sync.ownership import Ownership
 from sync.progress import SwarmProgress
+from sync.report import RoundReport, _Pending
 from sync.swarm import PeerRecord, Swarm, median_round
 from sync.transfer import ExpertExchange
 from sync.validate import RejectCounter
@@ -53,39 +56,7 @@ from sync.validate import RejectCounter
 logger = get_logger(__name__)
 
 
-@dataclass
-class RoundReport:
-    round_id: int
-    group_size: int = 1                 # peers in the shared all-reduce (1: averaged with nobody)
-    experts_synced: list[int] = field(default_factory=list)
-    experts_missing: list[int] = field(default_factory=list)  # owned elsewhere, but no usable copy arrived
-    rejected: int = 0
-    peers_seen: int = 1                 # live peers in the run's records (this one included)
-    expected: int = 1                   # of which the all-reduce waits for (_expected_group)
-    expert_group_size: int = 0          # peers in the owned-experts all-reduce (0: not run)
-    adopted: list[int] = field(default_factory=list)
-    given_back: list[int] = field(default_factory=list)  # adopted experts returned to their owner (it is back)
-    cut_off: bool = False               # saw no other peer, and the run's initial peers did not answer
-    redownloaded: bool = False
-    merge_alpha: float = 0.0            # > 0 when this round applied the expert-merging warm-up
-    seconds: float = 0.0                # wall time from start to apply
-    # Where the round's wall time went (seconds): snapshot + publish, group forming and all-reduce of the shared
-    # tensors, expert fetches still running after it, applying. Logged with the round line, for tuning.
-    timing: dict[str, float] = field(default_factory=dict)
-    # A follower's round (sync.follow_below_mbit): the shared tensors it downloaded instead of all-reducing.
-    followed: list[list[torch.Tensor]] | None = field(default=None, repr=False)
-    blocked_seconds: float = 0.0        # of which the training loop waited
-
-
-@dataclass
-class _Pending:
-    report: RoundReport
-    started: float
-    own_snapshots: dict[int, Snapshot]
-    future: concurrent.futures.Future   # -> (records, {expert: mean of owners' copies})
-    behind: bool = False
-    step: int = 0
-    weight: int = 0                     # tokens this peer trained since the previous round
+STOP_GRACE = 6.0  # seconds a stopping peer still waits for its pending round (then checkpoint, leave: < 10 s)
 
 
 def _expected_group(others: dict[str, PeerRecord], round_id: int) -> int:
@@ -109,17 +80,17 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(ExpertFetching, Applying):
+class SparseSync(ExpertFetching, Applying, Replicas, Durable):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
-    def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig,
-                 set_owned: Callable[[list[int]], None], rejects: RejectCounter | None = None,
+    def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, rejects: RejectCounter | None = None,
                  max_weight: float = math.inf, gate=None, bandwidth: float | None = None):
         """`max_weight`: the most tokens a peer can train in one round at the run's batch settings (the cap on
         any peer's all-reduce weight); `gate`: a closed run's door check (sync.admission.Gate), None if open;
-        `bandwidth`: this peer's upload in Mbit/s if known (its share of each all-reduce to reduce)."""
+        `bandwidth`: this peer's upload in Mbit/s if known (its share of each all-reduce to reduce).
+        Ownership changes (adoption, hand-back) are made on `model` (SpesMoE.set_owned_experts); the training
+        loop's optimizer follows the model's trainable parameters by itself (peer/train.py)."""
         self.model, self.swarm, self.cfg = model, swarm, cfg
-        self.set_owned = set_owned
         self.rejects = rejects if rejects is not None else RejectCounter()
         self.max_weight, self.gate = max_weight, gate
         self.round_id = 0
@@ -142,6 +113,7 @@ class SparseSync(ExpertFetching, Applying):
         self._stale: dict[int, int] = {}
         self._strikes: dict[str, int] = {}
         self._inflight: dict = {}  # (expert, owner) -> its running fetch (sync/fetch.py): asked once, used when it arrives
+        self._owner_seconds: dict[str, float] = {}  # how long each owner's last copy took to arrive (sync/fetch.py)
         self._retry_at: dict[str, int] = {}  # round from which a struck owner is asked again
         self.rounds_alone = 0
         self.rollbacks = 0
@@ -149,25 +121,40 @@ class SparseSync(ExpertFetching, Applying):
         self._reset_expert_references()
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
         self._pending: _Pending | None = None
+        self._deferring = False  # a due round waits for the previous one's group (_defer)
+        self.deferred_rounds = 0
         self._leaving = False  # set by leave_soon(): no new round, the pending one stops looking for a group
+        self._leave_at = math.inf  # monotonic time of leave_soon(): the pending round gets STOP_GRACE s from it
         self._give_up_at = math.inf  # set by drain(): when the pending round stops looking for a group
         self.progress = SwarmProgress(swarm, poll=min(1.0, cfg.matchmaking_time / 4))
-        self._last_round_seconds, self._last_applied_at = 0.0, 0.0  # of the last applied round (round_due)
+        self._last_transfer_seconds, self._last_applied_at = 0.0, 0.0  # of the last applied round (round_due)
         self.ownership = Ownership(swarm, self.max_owned, model.owned_experts)
         # Replicas: peers owning exactly the same experts all-reduce them with a second averager (the DiLoCo
         # case: everyone owns everything); created lazily, re-created when ownership changes.
         self._expert_avg: SharedAverager | None = None
         self._expert_avg_key: tuple[int, ...] = ()
         self._closed_expert_avg_bytes = {"sent": 0, "received": 0}  # replica averagers already shut down
+        # Optimizer moments of experts taken over at join, for the training loop to load (sync/fetch.py).
+        self.handed_over: dict[int, dict[str, torch.Tensor]] = {}
 
     # ---- joining ------------------------------------------------------------------------------------------
 
-    def join(self, step: int, tokens: int) -> int:
-        """Publish ownership; if the swarm already has peers, download its state. Returns the swarm's round."""
+    def join(self, step: int, tokens: int, alone_takes_all: bool = False, take_over_moments: bool = False) -> int:
+        """Publish ownership; if the swarm already has peers, download its state. Returns the swarm's round.
+        `alone_takes_all` (--experts auto): a run's first peer, alone, takes care of every expert its budget
+        allows (sync.ownership). `take_over_moments` (a peer without optimizer state of its own): fetch the
+        optimizer moments of its experts that others train now (handed_over, sync/fetch.py)."""
         if self.cfg.follow_swarm:
             self.progress.start()
+        self.swarm.record.budget = self.max_owned  # stored with the record below: others count its room by it
         others = self._others()
-        if others:
+        if alone_takes_all and not others and not self.swarm.initial_peers:
+            self._care_for_all_at_start()
+        if others and median_round(others.values()) > self.round_id:
+            # The swarm is ahead of this peer's state (a new peer: round 0; a restarted one: the round its
+            # checkpoint holds, sync/durable.py): take the swarm's. A peer whose state is as new (or newer: the
+            # others restarted from scratch) keeps its own and averages it in the next round; downloading then
+            # would overwrite its training with older values.
             # In a closed run the others' doors open only to peers with a (ticketed) record: publish it before
             # asking them for the state, with the swarm's round (median, see _download_state).
             self.round_id = max(self.round_id, median_round(others.values()))
@@ -175,6 +162,8 @@ class SparseSync(ExpertFetching, Applying):
                                tokens=tokens)
             self._download_state(others)
         self._publish(step, tokens)
+        if take_over_moments and others:  # after publishing: a closed run's doors open to peers with a record
+            self._take_over_moments(sorted(self.model.owned_experts), others)
         self.swarm.start_heartbeat()
         return self.round_id
 
@@ -216,15 +205,40 @@ class SparseSync(ExpertFetching, Applying):
         past this peer's: it is slower than them, and joins the round they are in with the tokens it trained
         (sync.progress)."""
         if steps_since_round >= self.cfg.every:
-            return True
+            return not self._defer(steps_since_round)
         if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
             return False
-        if time.monotonic() - self._last_applied_at < self._last_round_seconds:
-            # Its rounds are link-bound (a slow uplink: the last one took longer than it has trained since):
-            # joining earlier would only make it sync after every step. It keeps the every-H pace.
+        if self._pending is not None and not self._pending.future.done():
+            # Its previous round still runs: an early start would block on it (7 s in bench.wan's slow arm).
+            return False
+        if time.monotonic() - self._last_applied_at < self._last_transfer_seconds:
+            # Its rounds are link-bound (a slow uplink: the last one's transfers took longer than it has trained
+            # since): joining earlier would only make it sync after every step. It keeps the every-H pace. The
+            # transfers, not the whole round: a CPU-slow peer's round is mostly its wait for the group, and
+            # counting that halved its share of the fast peers' rounds (it joined every other one).
             return False
         swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5)
         return swarm_round is not None and swarm_round > self.round_id
+
+    def _defer(self, steps_since_round: int) -> bool:
+        """Keep training past a due round, for at most every/2 extra steps, while the previous one still runs
+        after its group took long to form (longer than the records can lag: two polls of the progress reader +
+        1 s). Such a round waited for a peer that reached it later (rounds are counted in local steps, so the
+        fastest peer laps the others): blocking on it would make this peer wait for them every round; deferred,
+        it trains meanwhile and its rounds follow the swarm's pace. A previous round whose group formed at once
+        and that is still transferring (rounds longer than H steps on a slow link or a small model) is waited
+        for as before: deferring then would only stretch H for everyone (docs/DESIGN.md, "Bandwidth-aware
+        rounds")."""
+        pending = self._pending
+        if pending is None or pending.future.done() or self._leaving or self.follower:
+            return False
+        if steps_since_round >= self.cfg.every + max(1, self.cfg.every // 2):
+            return False
+        if not self._deferring:  # decided once per due round, then until the previous round is applied
+            self._deferring = self.shared.group_wait() > 2 * self.progress.poll + 1.0
+            if self._deferring:
+                self.deferred_rounds += 1
+        return self._deferring
 
     def round(self, step: int, tokens: int, tokens_since_last: int) -> RoundReport:
         """A whole round, blocking (start + finish)."""
@@ -235,6 +249,7 @@ class SparseSync(ExpertFetching, Applying):
         """Snapshot and publish, then run the network part in the background. If the previous round is still
         running it is finished first (blocking) and its report returned."""
         previous = self.finish_round(block=True) if self._pending is not None else None
+        self._deferring = False
         if self._leaving:
             return previous
         started = time.perf_counter()
@@ -244,7 +259,10 @@ class SparseSync(ExpertFetching, Applying):
         own = self._publish(step, tokens, record=False)
         # A fresh read, not the progress reader's last one: a peer that joined within the last poll would be
         # missing from the expected group, which would then start without it and leave it averaging alone.
-        others = self._others()
+        # Together with the background reader's recent view: a DHT read sometimes comes back partial (this peer's
+        # own record alone), and a round started from it skipped averaging with a partner that was there
+        # (test_closed_run). A peer that left within the last seconds costs one matchmaking window instead.
+        others = {**self.progress.others(max_age=2 * self.progress.poll + 1), **self._others()}
         report.peers_seen = len(others) + 1
         report.expected = _expected_group(others, self.round_id)
         replicated = any(set(r.experts) == set(own) for r in others.values())
@@ -277,6 +295,7 @@ class SparseSync(ExpertFetching, Applying):
                       ) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
         want = set(range(self.model.cfg.num_experts))
         rejected_before = self.rejects.total()
+        net_started = time.perf_counter()
         # The all-reduce runs first, on a link that carries nothing else, and the expert copies follow it: on
         # rate-limited links with router queues, transfers that overlap the all-reduce (or the matchmaking) made
         # both slower than the same bytes one after the other (docs/DESIGN.md, "Bandwidth-aware rounds").
@@ -294,9 +313,21 @@ class SparseSync(ExpertFetching, Applying):
             report.timing.update({k: v for k, v in self.shared.last_timing.items() if k in ("group", "all-reduce")})
         # Read the records after the all-reduce: by then every peer of the group has published this round.
         records = self.swarm.peers()
-        self._forget_strikes_of_gone(records)
         others = self._others(records)
-        if not others:  # alone, or cut off from the run? Only asked here, off the training thread (a ping).
+        if ((self.model.owned_experts and self.swarm.peer_id not in records) or len(others) + 1 < report.group_size
+                or (not others and report.peers_seen > 1)):
+            # An incomplete read: not even this peer's own record came back (stored at join, refreshed by the
+            # heartbeat), or fewer peers than this round's all-reduce group, or none while the read at the round's
+            # start, seconds ago, showed some (a home peer behind a NAT read only its own record and adopted every
+            # expert). Nothing is decided from it: no "alone", no orphans adopted; copies are fetched from the
+            # owners seen in either read.
+            logger.warning(f"the run's peer records read this round are incomplete ({len(others)} other peer(s), "
+                           f"all-reduce group {report.group_size}): no ownership change from them")
+            others = {**(others_at_start or {}), **others}
+            records = {}
+        else:
+            self._forget_strikes_of_gone(records)
+        if not others and records:  # alone, or cut off from the run? Asked here, off the training thread (a ping).
             # Just re-joined after a cut: the others' records may not have reached this peer yet (ttl to be sure).
             reachable = self.swarm.reachable()
             rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl
@@ -311,7 +342,11 @@ class SparseSync(ExpertFetching, Applying):
             if report.expert_group_size > 1:
                 want -= set(own)  # averaged with the replicas already: nothing to fetch for them
         owners = self._start_fetches(others, want)
-        deadline = time.monotonic() + self._expert_grace(owners, own)
+        # The whole round stays within one matchmaking window plus one timeout: an all-reduce that lost a member
+        # took its chunk timeout and measured a rate far below the link's, which alone would give the copies the
+        # full round_timeout on top (a 30 s round when a peer's link went down mid-round).
+        budget = self.cfg.matchmaking_time + self.cfg.round_timeout - (time.perf_counter() - net_started)
+        deadline = time.monotonic() + min(self._expert_grace(owners, own), max(2.0, budget))
         means = self._collect_means(owners, own, rel_change, deadline=deadline)
         report.timing["experts"] = time.perf_counter() - waited
         report.rejected = self.rejects.total() - rejected_before
@@ -319,52 +354,6 @@ class SparseSync(ExpertFetching, Applying):
         report.experts_synced = sorted(set(means) | (set(own) - want))
         report.experts_missing = sorted(owned_elsewhere - set(means))
         return records, means
-
-    def _expert_averager(self, own: dict[int, Snapshot], replicated: bool) -> SharedAverager | None:
-        """The averager over this peer's owned experts (training thread), snapshotted for this round; only
-        started once another peer owns exactly the same experts."""
-        key = tuple(sorted(own))
-        if key != self._expert_avg_key and self._expert_avg is not None:
-            self._closed_expert_avg_bytes["sent"] += self._expert_avg.bytes_sent()
-            self._closed_expert_avg_bytes["received"] += self._expert_avg.bytes_received()
-            self._expert_avg.shutdown()
-            self._expert_avg = None
-        self._expert_avg_key = key
-        if not key or (self._expert_avg is None and not replicated):
-            return None
-        if self._expert_avg is None:
-            params = [t for e in key for t in self._owned_params(e)]
-            prefix = f"{self.swarm.run_id}_experts_{'-'.join(map(str, key))}"
-            self._expert_avg = SharedAverager(self.model, self.swarm, self.cfg, params=params, prefix=prefix,
-                                              rejects=self.rejects, max_weight=self.max_weight, gate=self.gate,
-                                              bandwidth=self.bandwidth)
-            # Its results are judged against the experts' last synchronized values, not today's trained ones.
-            names = [f"layers.{l}.{n}" for l in range(self.model.cfg.n_layers) for n in ("gate_up_proj", "down_proj")]
-            if all(e in self._expert_synced for e in key):
-                self._expert_avg.synced = [self._expert_synced[e][n].clone() for e in key for n in names]
-        self._expert_avg.take_snapshot()
-        return self._expert_avg
-
-    def _owned_params(self, expert: int) -> list[torch.Tensor]:
-        return [getattr(bank.bank[expert], name) for bank in self.model.expert_banks()
-                for name in bank.bank[expert].TENSOR_NAMES]
-
-    def bytes_sent(self) -> dict[str, int]:
-        """Tensor payload bytes (after compression) this peer sent so far, by kind ("shared", "expert")."""
-        replicas = self._closed_expert_avg_bytes["sent"] + (self._expert_avg.bytes_sent() if self._expert_avg else 0)
-        return {"shared": self.shared.bytes_sent(), "expert": self.exchange.bytes_sent.get("expert", 0) + replicas}
-
-    def bytes_received(self) -> dict[str, int]:
-        """Tensor payload bytes (after compression) this peer received so far, by kind ("shared", "expert")."""
-        replicas = (self._closed_expert_avg_bytes["received"]
-                    + (self._expert_avg.bytes_received() if self._expert_avg else 0))
-        return {"shared": self.shared.bytes_received() + self.exchange.bytes_received.get("shared", 0),
-                "expert": self.exchange.bytes_received.get("expert", 0) + replicas}
-
-    def bytes_on_wire(self) -> dict[str, int]:
-        """Tensor payload bytes this peer sent + received so far, by kind ("shared", "expert")."""
-        sent, received = self.bytes_sent(), self.bytes_received()
-        return {kind: sent[kind] + received[kind] for kind in sent}
 
     def finish_round(self, block: bool = False) -> RoundReport | None:
         """Apply a finished round (training thread). Non-blocking returns None while it still runs."""
@@ -414,7 +403,8 @@ class SparseSync(ExpertFetching, Applying):
         report.timing["apply"] = now - applying
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
-        self._last_round_seconds, self._last_applied_at = report.seconds, time.monotonic()
+        transfers = sum(report.timing.get(k, 0.0) for k in ("all-reduce", "experts", "download"))
+        self._last_transfer_seconds, self._last_applied_at = transfers, time.monotonic()
         return report
 
     def _wait(self, future: concurrent.futures.Future) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
@@ -429,11 +419,23 @@ class SparseSync(ExpertFetching, Applying):
             except concurrent.futures.TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-            if (self._leaving or time.monotonic() > self._give_up_at) and not cancelled:
+                if time.monotonic() - self._leave_at > STOP_GRACE:
+                    # A stop must complete within seconds: an all-reduce whose partner vanished mid-round would
+                    # otherwise hold it for a chunk timeout, and expert fetches for up to round_timeout.
+                    raise TimeoutError(f"stopping: abandoned after {STOP_GRACE:.0f}s") from None
+            draining = self._give_up_at < math.inf
+            if (self._leaving or time.monotonic() > self._give_up_at or (draining and self._nobody_left())
+                    ) and not cancelled:
                 cancelled = True
                 averagers = [self.shared] + ([self._expert_avg] if self._expert_avg is not None else [])
                 if any([avg.cancel_matchmaking() for avg in averagers]):
                     logger.info("stopped looking for an averaging group for this round (leaving, or last step done)")
+
+    def _nobody_left(self) -> bool:
+        """While draining: the background reader's fresh views show no other peer that could still join a group
+        (they finished and withdrew their records). The last peer of a run then stops looking after about
+        three polls instead of waiting out the grace (bench.wan: 10 s at the end of a 2-minute run)."""
+        return self.progress.nobody_else(reads=3, max_age=2 * self.progress.poll + 1)
 
     def drain(self, grace: float) -> RoundReport | None:
         """The last step is done: finish the pending round, but stop looking for a group after `grace` seconds
@@ -450,47 +452,18 @@ class SparseSync(ExpertFetching, Applying):
         stops looking for a group, and no round starts after it: a leaving peer must not wait the whole round
         timeout for partners that may be leaving too."""
         self._leaving = True
-
-    def _track_alone(self, report: RoundReport) -> None:
-        """A warning (and spes_sync_alone_rounds) when this peer keeps averaging with nobody while others exist:
-        e.g. every group it finds is refused, or its records cannot be read (issue 9, "Visibility")."""
-        if report.peers_seen > 1 and report.group_size <= 1 and not self.follower:
-            self.rounds_alone += 1
-            if self.rounds_alone % self.cfg.alone_warn_rounds == 0:
-                logger.warning(f"averaged with nobody for {self.rounds_alone} rounds in a row although "
-                               f"{report.peers_seen - 1} other peer(s) are in the run")
-        else:
-            self.rounds_alone = 0
-
-    def _adopt(self, records: dict[str, PeerRecord], averaged: set[int], cut_off: bool) -> tuple[list[int], list[int]]:
-        """Ownership changes after a round (sync.ownership): give adopted experts back to an owner that returned,
-        adopt orphans. Returns (adopted, given back)."""
-        self.ownership.observe(records)
-        owned = set(self.model.owned_experts)
-        back = self.ownership.to_release(owned, records, averaged)
-        adopt = self.ownership.to_adopt(owned - set(back), records, cut_off)
-        if not adopt and not back:
-            return [], []
-        if adopt:
-            logger.info(f"adopting orphaned experts {adopt}: no live owner")
-        owned = sorted((owned - set(back)) | set(adopt))
-        self.set_owned(owned)
-        for expert in back:
-            self._expert_synced.pop(expert, None)
-        for expert in adopt:  # its last synchronized value is what this peer holds of it now
-            self._expert_synced[expert] = {k: v.detach().float().cpu().clone()
-                                           for k, v in self.model.expert_tensors(expert).items()}
-        self.swarm.publish(experts=owned)
-        return adopt, back
+        self._leave_at = min(self._leave_at, time.monotonic())
 
     # ---- leaving ------------------------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Leave cleanly: withdraw the record, stop the averager, the exchange and the DHT."""
+    def shutdown(self, finished: bool = False) -> None:
+        """Leave cleanly: withdraw the record (`finished`: this peer completed its fixed-length run; its record
+        says so and the others do not adopt its experts: Swarm.finish), stop the averager, the exchange and the
+        DHT."""
         closers = [self.progress.stop, self.shared.shutdown, self.exchange.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
         for closer in closers:
             try:
                 closer()
             except Exception as e:
                 logger.warning(f"shutdown: {e}")
-        self.swarm.shutdown(withdraw=True)
+        self.swarm.shutdown(withdraw=True, finished=finished)

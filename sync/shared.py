@@ -27,6 +27,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from model.model import SpesMoE
+from sync.delta import apply_rebased_, rebased
 from sync.config import SyncConfig
 from sync.swarm import Swarm
 from sync.transfer import patch_hivemind_8bit_decoder
@@ -239,6 +240,7 @@ class SharedAverager:
             signal.signal(signal.SIGINT, sigint)
         self.snapshot: list[torch.Tensor] | None = None
         self._control = None  # the running (or last) averaging step, for cancel_matchmaking
+        self._step_started, self._group_seconds = 0.0, None  # when it started, how long its group took to form
         self._expected = 0  # the expected group size last set in the averager process
         # The last all_reduce: seconds to form the group and to all-reduce, bytes received meanwhile.
         self.last_timing: dict[str, float] = {}
@@ -284,7 +286,8 @@ class SharedAverager:
         control, self.last_timing = None, {}
         self._set_expected(expected)
         try:
-            started = time.perf_counter()
+            started = self._step_started = time.perf_counter()
+            self._group_seconds = None
             control = self._control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
             # Bounded even if the averager process itself dies (its future would never resolve otherwise).
             # Polled, to time how long the group took to form apart from the all-reduce itself (round log line).
@@ -292,6 +295,7 @@ class SharedAverager:
             while not control.done() and time.perf_counter() < deadline:
                 if grouped is None and control.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
                     grouped, received = time.perf_counter(), self.wire.received
+                    self._group_seconds = grouped - started
                 time.sleep(0.02)
             gathered = control.result(timeout=max(0.0, deadline - time.perf_counter()))
             done = time.perf_counter()
@@ -312,6 +316,16 @@ class SharedAverager:
                 self._expected = expected
             except Exception as e:  # the averager process is gone or busy: this round waits matchmaking_time
                 logger.debug(f"could not set the expected group size: {e!r}")
+
+    def group_wait(self) -> float:
+        """Seconds the latest step waited for its group: so far while it still looks, else until it formed
+        (0 when no step ran, or it failed without a group)."""
+        control = self._control
+        if control is None:
+            return 0.0
+        if self._group_seconds is not None:
+            return self._group_seconds
+        return 0.0 if control.done() else time.perf_counter() - self._step_started
 
     def cancel_matchmaking(self) -> bool:
         """Give up the running step if it is still looking for a group (a leaving peer: its partners may be
@@ -372,8 +386,7 @@ class SharedAverager:
                     anchor.sub_(pseudo_grad.add(buf, alpha=mu), alpha=lr)
                 targets = self.anchor
             for param, snap, target, synced in zip(self.params, self.snapshot, targets, self.synced):
-                # copy_ (not add_) keeps integer-free storage dtypes like bf16 exact when nothing changed.
-                param.copy_((param.float() + (target - snap).to(param.device)).to(param.dtype))
+                apply_rebased_(param, target, snap)
                 synced.copy_(target)
         refused = accepted.count(False)
         if refused:
@@ -405,7 +418,7 @@ class SharedAverager:
                 param.copy_(value)
             return False
         for param, snap, value in zip(self.params, self.snapshot, live):
-            param.add_((value.float() - snap.to(value.device)).to(param.dtype))
+            param.copy_(rebased(value, param, snap).to(param.dtype))  # param holds the downloaded value here
         return True
 
     def load_state(self, candidates: list[list[torch.Tensor]]) -> bool:

@@ -1,4 +1,4 @@
-"""Joining a run's DHT and keeping expert ownership in it (SPEC §1 "Ownership", §2).
+"""Joining a run's DHT and keeping expert ownership in it (docs/DESIGN.md, "The method" and "Coverage").
 
 Each peer stores one record under the run's key `{run_id}_peers`, subkey = its peer ID, value = the experts it
 owns plus its progress, with an expiration; a heartbeat thread refreshes it. These records are the only
@@ -11,12 +11,8 @@ the max, so one liar cannot move it.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import os
-import shutil
-import socket
 import functools
 import threading
 import time
@@ -24,22 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import hivemind
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
-from hivemind.utils.multiaddr import Multiaddr
 
-from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, ephemeral_identity, load_identity, peers_key, revoked_key
-from sync.records import RunRecordValidator
-from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs, relay_client_options, static_relays_only
+from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, peers_key, revoked_key
+from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
+from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs
 
 logger = get_logger(__name__)
 
 REJOIN_TIMEOUT = 1.5  # seconds per connect / ping of an initial peer while cut off (retried every poll)
-
-
-class SwarmError(RuntimeError):
-    """Could not start or join the swarm; the message names the cause (bad multiaddr, unreachable peer, ...)."""
 
 
 @dataclass
@@ -55,6 +46,19 @@ class PeerRecord:
     # A slow uplink: it follows the shared tensors by download and never joins an all-reduce group, so nobody
     # waits for it in matchmaking (sync.follow_below_mbit, docs/DESIGN.md "Bandwidth-aware rounds").
     follows: bool = False
+    # The most experts this peer may own (its sync.max_experts_per_peer; 0: not published, any number), and the
+    # owned experts it only takes care of until another peer takes them over (sync.ownership).
+    budget: int = 0
+    caretaking: list[int] = field(default_factory=list)
+    # It completed its fixed-length run and left (Swarm.finish): not a live peer, and its experts are not
+    # adopted by the peers still running (they finish soon too; adopting would only grow their memory).
+    finished: bool = False
+    # A joiner choosing experts (--experts auto), before it owns any: the experts it means to take (Swarm.
+    # choose_auto). Published only while `experts` is empty; readers count it like ownership when it beats them.
+    claims: list[int] = field(default_factory=list)
+    # [machine, PID] of the process that publishes it (process_origin): a restarted peer tells its own crashed
+    # predecessor's record from a live duplicate at once when both ran on the same machine (live_elsewhere).
+    origin: list = field(default_factory=list)
 
     def to_value(self) -> dict[str, Any]:
         value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
@@ -62,7 +66,26 @@ class PeerRecord:
             value["ticket"] = self.ticket
         if self.follows:
             value["follows"] = True
+        if self.budget:
+            value["budget"] = self.budget
+        caretaking = sorted(set(self.caretaking) & set(self.experts))
+        if caretaking:
+            value["caretaking"] = caretaking
+        if self.finished:
+            value["finished"] = True
+        if self.claims and not self.experts:
+            value["claims"] = sorted(self.claims)
+        if self.origin:
+            value["origin"] = list(self.origin)
         return value
+
+    def room(self, num_experts: int) -> int:
+        """How many more experts this peer may own."""
+        return (self.budget or num_experts) - len(self.experts)
+
+    def owns_for_good(self, expert: int) -> bool:
+        """It owns `expert` and is not merely taking care of it."""
+        return expert in self.experts and expert not in self.caretaking
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any, num_experts: int) -> "PeerRecord | None":
@@ -78,8 +101,20 @@ class PeerRecord:
         if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= b for c, b in zip(counters, bounds)):
             return None
         ticket = value.get("ticket", b"")
+        budget, caretaking = value.get("budget", 0), value.get("caretaking", [])
+        if not (type(budget) is int and 0 <= budget <= num_experts) or not isinstance(caretaking, list):
+            return None
+        if not all(type(e) is int and e in experts for e in caretaking):
+            return None
+        claims = value.get("claims", [])
+        if not isinstance(claims, list) or not all(type(e) is int and 0 <= e < num_experts for e in claims):
+            return None
+        origin = value.get("origin", [])
+        if origin and not _is_origin(origin):
+            return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
-                   follows=value.get("follows") is True)
+                   follows=value.get("follows") is True, budget=budget, caretaking=sorted(set(caretaking)),
+                   finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin))
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:
@@ -92,115 +127,39 @@ def median_round(records: Iterable[PeerRecord]) -> int | None:
     return rounds[(len(rounds) - 1) // 2] if rounds else None
 
 
+def process_origin() -> list:
+    """[machine, PID] of this process: the machine is a hash of the boot ID and the PID namespace (PIDs are only
+    comparable within both; two containers on one host differ), so nothing about the host is published."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return []  # not Linux: no fast path, the watch decides
+    return [hashlib.sha256(f"{boot}:{namespace}".encode()).hexdigest()[:16], os.getpid()]
+
+
+def _is_origin(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and len(value[0]) == 16
+            and type(value[1]) is int and 0 < value[1] < 2 ** 32)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
 def _is_peer_id(text: str) -> bool:
     try:
         PeerID.from_base58(text)
         return True
     except Exception:  # any peer can write any subkey: a garbage one is skipped, not trusted
         return False
-
-
-def busy_tcp_port(host_maddrs: Sequence[str | Multiaddr]) -> tuple[int, str] | None:
-    """The first fixed TCP port among `host_maddrs` that something already listens on, with its multiaddr.
-
-    hivemind's p2pd listens with SO_REUSEPORT, so a second node on a taken port would not fail: it would silently
-    share the port. A plain probe bind (SO_REUSEADDR only, as p2pd, so TIME_WAIT sockets of a node restarted on
-    the same port do not count) fails against any listener. Port 0, DNS names and non-TCP addresses are skipped:
-    p2pd reports its own errors for those. There is a short race until p2pd binds.
-    """
-    for text in host_maddrs:
-        maddr = Multiaddr(str(text))
-        names = {p.name for p in maddr.protocols()}
-        if "tcp" not in names or not names & {"ip4", "ip6"}:
-            continue
-        port = int(maddr.value_for_protocol("tcp"))
-        if port == 0:
-            continue
-        family = socket.AF_INET6 if "ip6" in names else socket.AF_INET
-        host = maddr.value_for_protocol("ip6" if family == socket.AF_INET6 else "ip4")
-        try:
-            probe = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue  # no IPv6 on this machine: p2pd listens on the other addresses or reports it
-        with probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # Go listens on tcp6 sockets as v6-only: probe the same way
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    return port, str(text)
-                # Anything else (an address not on this machine, ...) is p2pd's to report or to survive.
-    return None
-
-
-def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
-              announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *, run_id: str | None = None,
-              num_experts: int = 0, record_ttl: float = 30.0, admission: Any = None,
-              rejects: Any = None, use_auto_relay: bool = False, client_mode: bool = False) -> hivemind.DHT:
-    """Start a peer's DHT node (joining `initial_peers` if given) that signs its own record and validates the
-    run's records (sync.records); SwarmError with the daemon's reason on failure.
-
-    Behind NAT (sync.reach): `use_auto_relay` reserves slots on the initial peers as circuit relays and
-    announces `<initial peer>/p2p-circuit`; `client_mode` makes the DHT a hivemind client (it only makes
-    requests; the averagers built on it follow `dht.client_mode`)."""
-    options: dict[str, Any] = {}
-    if use_auto_relay:
-        options = relay_client_options(initial_peers, announce_maddrs)
-        announce_maddrs = options.pop("announce_maddrs")
-    if client_mode:
-        options["client_mode"] = True
-    return start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=run_id,
-                          num_experts=num_experts, record_ttl=record_ttl, admission=admission, rejects=rejects,
-                          sign=True, **options)
-
-
-def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
-                   announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *,
-                   run_id: str | None = None, num_experts: int = 0, record_ttl: float = 30.0,
-                   admission: Any = None, rejects: Any = None, sign: bool = False,
-                   **p2p_options: Any) -> hivemind.DHT:
-    """start_dht with extra hivemind.DHT / P2P.create options (use_relay, use_auto_relay, ...), for callers such
-    as the bootstrap node that expose them; same errors.
-
-    With `run_id`, the node validates the run's records (every node must, or it would store forgeries for
-    others to read); with `sign`, it also signs its own record with its identity key — a peer without
-    `identity_path` gets a fresh identity file, removed once the daemon has read it. `num_experts` 0 accepts
-    any expert index up to 2**16 (a bootstrap node may not know the model).
-    """
-    kwargs: dict[str, Any] = {"initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs), "start": True,
-                              **p2p_options}
-    if announce_maddrs:
-        kwargs["announce_maddrs"] = list(announce_maddrs)
-    temp_dir = None
-    if sign and not identity_path:
-        identity_path, temp_dir = ephemeral_identity()
-        kwargs["check_if_identity_free"] = False  # brand new: asking the swarm whether it is taken costs ~5 s
-    if identity_path:
-        kwargs["identity_path"] = identity_path
-    try:
-        if run_id is not None:
-            private_key = None
-            if sign:
-                if not os.path.isfile(identity_path):
-                    P2P.generate_identity(identity_path)  # what hivemind would do; we need the key to sign
-                private_key = load_identity(identity_path)
-            kwargs["record_validators"] = [RunRecordValidator(
-                run_id, num_experts or 2**16, private_key=private_key, record_ttl=record_ttl,
-                admission=admission, rejects=rejects)]
-        # With auto-relay, only the trusted relays are used (sync.reach.static_relays_only says why).
-        with static_relays_only() if kwargs.get("use_auto_relay") else contextlib.nullcontext():
-            return hivemind.DHT(**kwargs)
-    except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
-        reason = " ".join(str(e).split()) or type(e).__name__
-        if "bootstrap" in reason and initial_peers:
-            reason = f"cannot reach any initial peer ({', '.join(initial_peers)}): {reason}"
-        raise SwarmError(reason) from None
-    finally:
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-
 
 
 def least_covered(coverage: dict[int, int], count: int, peer_id: str = "") -> list[int]:
@@ -231,13 +190,15 @@ class Swarm:
     def __post_init__(self) -> None:
         self.peer_id = str(self.dht.peer_id)
         self.key = peers_key(self.run_id)
-        self.record = PeerRecord(self.peer_id, [], ticket=self.ticket)
+        self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._cut_off_since: float | None = None  # monotonic time the DHT routing table was first seen empty
         self.rejoined_at = -float("inf")  # monotonic time of the last re-join (rejoin_if_cut_off)
         self._rejoin_lock = threading.Lock()  # the heartbeat and the progress reader both check
+        self._finished_experts: set[int] = set()  # see peers() and finish()
+        self._claims: dict[str, list[int]] = {}  # other joiners' claims seen by the last read (choose_auto)
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -248,7 +209,7 @@ class Swarm:
         """Update and store this peer's record (experts / round / step / tokens)."""
         with self._lock:
             for name, value in changes.items():
-                setattr(self.record, name, sorted(value) if name == "experts" else value)
+                setattr(self.record, name, sorted(value) if name in ("experts", "caretaking") else value)
             value = self.record.to_value()
         try:
             self._store(value, get_dht_time() + self.ttl)
@@ -263,6 +224,25 @@ class Swarm:
             self.record.experts = []
             value = self.record.to_value()
         self._store(value, get_dht_time() + self.ttl + 1.0)
+
+    def finish(self) -> None:
+        """Leave after completing a fixed-length run: the record stays, marked finished, for one more ttl. The
+        others stop counting this peer at once, and remember that its experts' owner finished rather than
+        died, so they do not adopt them (peers())."""
+        with self._lock:
+            self.record.finished = True
+            value = self.record.to_value()
+        self._store(value, get_dht_time() + self.ttl + 1.0)  # outlives the live record it replaces
+
+    def finished_experts(self) -> set[int]:
+        """Experts whose last owner seen finished its run and that no live peer owns since."""
+        with self._lock:
+            return set(self._finished_experts)
+
+    def remember_finished(self, experts: Iterable[int]) -> None:
+        """Add to finished_experts() (a restarted peer's memory of it, sync/durable.py)."""
+        with self._lock:
+            self._finished_experts |= set(experts)
 
     def _store(self, value: dict[str, Any], expiration: float, timeout: float = 15.0) -> bool:
         """Store this peer's record, bounded: a DHT process that died or hangs must not hang the heartbeat or
@@ -279,15 +259,67 @@ class Swarm:
             return records
         now = get_dht_time()
         revoked = self.revoked() if self.admission is not None else set()
+        finished: set[int] = set()
+        claims: dict[str, list[int]] = {}
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             expiration = getattr(item, "expiration_time", 0)
             if not isinstance(subkey, str) or expiration < now or subkey in revoked or not _is_peer_id(subkey):
                 continue
             record = PeerRecord.from_value(subkey, value, self.num_experts)
-            if record is not None and record.experts:
+            if record is not None and record.finished:
+                finished.update(record.experts)
+            elif record is not None and record.experts:
                 records[subkey] = record
+            elif record is not None and record.claims and subkey != self.peer_id:
+                claims[subkey] = record.claims
+        live = set().union(*(r.experts for r in records.values()))
+        with self._lock:
+            # Remembered beyond the finished record's life: the reads of the round that would adopt the expert
+            # come after that record expired. Forgotten once a live peer owns the expert again.
+            self._finished_experts = (self._finished_experts | finished) - live
+            self._claims = claims
         return records
+
+    def _own_record(self) -> tuple[float, PeerRecord] | None:
+        """(expiration, record) of the run's live record under this peer ID, None if there is none (or a
+        withdrawn or finished one)."""
+        found = self.dht.get(self.key, latest=True)
+        item = found.value.get(self.peer_id) if found is not None and isinstance(found.value, dict) else None
+        expiration = getattr(item, "expiration_time", None)
+        if item is None or expiration is None or expiration < get_dht_time():
+            return None
+        record = PeerRecord.from_value(self.peer_id, getattr(item, "value", None), self.num_experts)
+        return (expiration, record) if record is not None and record.experts and not record.finished else None
+
+    def live_elsewhere(self, poll: float = 1.0) -> bool:
+        """Is another live process using this peer ID in the run (the same --identity-path twice)? Asked once,
+        before this peer publishes anything. A record under its ID may also be its own, left by a run of it that
+        crashed: that one is never refreshed, while a live peer's heartbeat re-stores it every ttl/3 with a later
+        expiration. So it watches the record for one heartbeat period (plus slack) at most, unless the record
+        says it came from a process of this machine that is gone (the usual restart after a crash: no wait)."""
+        own = self._own_record()
+        if own is None:
+            return False
+        first, record = own
+        mine = process_origin()
+        if (mine and record.origin and record.origin[0] == mine[0] and record.origin[1] != mine[1]
+                and not _pid_alive(record.origin[1])):
+            logger.info(f"the record of this peer ID in run {self.run_id} was left by a run of it that crashed "
+                        f"(PID {record.origin[1]} on this machine is gone): taking it over")
+            return False
+        logger.info(f"a record of this peer ID is already in run {self.run_id}: a crashed earlier run of this "
+                    f"peer, or another live process with the same identity; watching it for up to "
+                    f"{self.ttl / 3 + 3:.0f}s to tell which")
+        deadline = time.monotonic() + self.ttl / 3 + 3.0
+        while time.monotonic() < deadline:
+            time.sleep(poll)
+            own = self._own_record()
+            if own is None:
+                return False  # expired or withdrawn: nobody keeps it alive
+            if own[0] > first + 0.5:
+                return True  # refreshed by someone else's heartbeat
+        return False
 
     def revoked(self) -> set[str]:
         """Peer IDs the organizer revoked (closed runs; every DHT node checked the organizer's signature)."""
@@ -305,36 +337,84 @@ class Swarm:
                 owners[e].append(peer_id)
         return owners
 
-    def choose_auto(self, count: int) -> list[int]:
-        """Experts for `--experts auto`: the least-covered ones at join time."""
-        coverage = {e: len(o) for e, o in self.coverage().items()}
-        return sorted(least_covered(coverage, count, self.peer_id))
+    def choose_auto(self, count: int, settle: float | None = None, attempts: int = 4) -> list[int]:
+        """Experts for `--experts auto`: those nobody owns first, then those only taken care of (a peer holds them
+        until someone takes them over: sync.ownership), then the least replicated.
+
+        Joiners that start at the same moment read the same records and would often take the same experts while
+        others stay uncovered. So the choice is claimed first: the record (no experts yet) lists the claimed
+        ones, and after `settle` seconds (DHT propagation) the choice is made again counting the others' claims
+        as ownership, but only the claims of peers that beat this one on that expert (adoption_rank): the
+        winner of a contested expert keeps it, the others move to the next least covered. Repeated until the
+        choice stands (at most `attempts` times); the record's expert list then replaces the claim at join."""
+        settle = min(2.0, self.ttl / 10) if settle is None else settle
+        choice = self._choose(count)
+        with self._lock:
+            alone = not self._claims
+        if alone and not self.initial_peers and not [p for p in self.peers() if p != self.peer_id]:
+            return choice  # the run's first peer: nobody can be joining a swarm that only it knows of yet
+        for _ in range(attempts):
+            with self._lock:
+                self.record.claims = list(choice)
+                value = self.record.to_value()
+            try:
+                self._store(value, get_dht_time() + self.ttl)
+            except Exception as e:  # a claim is a courtesy to other joiners: never fatal
+                logger.warning(f"could not publish this peer's expert claim: {e}")
+                break
+            time.sleep(settle)
+            again = self._choose(count)
+            if again == choice:
+                break
+            choice = again
+        with self._lock:
+            self.record.claims = []
+        return choice
+
+    def _choose(self, count: int) -> list[int]:
+        """One choice from a fresh read of the records and the other joiners' claims (choose_auto)."""
+        records = self.peers()
+        with self._lock:
+            claims = dict(self._claims)
+        mine = self.peer_id
+        for_good = {e: sum(r.owns_for_good(e) for p, r in records.items() if p != mine) for e in range(self.num_experts)}
+        cared = {e: sum(e in r.caretaking for p, r in records.items() if p != mine) for e in range(self.num_experts)}
+        contested = {e: sum(e in c and adoption_rank(p, e) < adoption_rank(mine, e) for p, c in claims.items())
+                     for e in range(self.num_experts)}
+        order = sorted(range(self.num_experts),
+                       key=lambda e: (for_good[e] + contested[e], cared[e], adoption_rank(mine, e)))
+        return sorted(order[:count])
 
     def orphans_to_adopt(self, owned: Iterable[int], max_owned: int, records: dict[str, PeerRecord] | None = None,
-                         adoptable: Iterable[int] | None = None) -> list[int]:
+                         ) -> list[int]:
         """Experts with no live owner that this peer should adopt, within `max_owned` experts in total.
 
-        Only experts in `adoptable` (default: all) are considered — the caller passes the experts it has seen
-        owned, so an expert whose owner left is adopted but one nobody ever took waits for a joining peer.
-        Among the live peers with room left, the one ranked first by adoption_rank(peer, expert) adopts it.
+        Every expert is covered, including ones nobody ever owned (a 3-peer swarm on a 4-expert model trained
+        only 3 of them): among the live peers with room left under their published budget, the one ranked first by
+        adoption_rank(peer, expert) adopts it. Records without a budget are taken to have room for any number.
         """
         records = self.peers() if records is None else records
         owned = set(owned)
         records = dict(records)
-        records[self.peer_id] = PeerRecord(self.peer_id, sorted(owned))
+        records[self.peer_id] = PeerRecord(self.peer_id, sorted(owned), budget=max_owned)
         coverage = self.coverage(records)
-        load = {p: len(r.experts) for p, r in records.items()}
+        room = {p: r.room(self.num_experts) for p, r in records.items()}
         adopt: list[int] = []
-        allowed = set(coverage) if adoptable is None else set(adoptable)
-        for expert in sorted(e for e, o in coverage.items() if not o and e in allowed):
-            candidates = [p for p in records if load[p] < max_owned]
+        finished = self.finished_experts()
+        for expert in sorted(e for e, o in coverage.items() if not o and e not in finished):
+            candidates = [p for p in records if room[p] > 0]
             if not candidates:
                 break
             winner = min(candidates, key=lambda p: adoption_rank(p, expert))
-            load[winner] += 1
+            room[winner] -= 1
             if winner == self.peer_id:
                 adopt.append(expert)
         return adopt
+
+    def uncovered(self, owned: Iterable[int], records: dict[str, PeerRecord]) -> list[int]:
+        """Experts no live peer owns (this one's `owned` included)."""
+        covered = set(owned).union(*(r.experts for r in records.values()))
+        return sorted(set(range(self.num_experts)) - covered)
 
     # ---- heartbeat ----------------------------------------------------------------------------------------
 
@@ -401,14 +481,15 @@ class Swarm:
         self._heartbeat = threading.Thread(target=beat, name="spes-heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def shutdown(self, withdraw: bool = True) -> None:
-        """Stop the heartbeat, withdraw the record (unless the DHT is already gone) and stop the DHT node."""
+    def shutdown(self, withdraw: bool = True, finished: bool = False) -> None:
+        """Stop the heartbeat, withdraw the record (unless the DHT is already gone; `finished`: mark it finished
+        instead, see finish()) and stop the DHT node."""
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         if withdraw and self.dht.is_alive():
             try:
-                self.withdraw()
+                self.finish() if finished else self.withdraw()
             except Exception as e:
                 logger.warning(f"could not withdraw ownership record: {e}")
         self.dht.shutdown()

@@ -1,9 +1,10 @@
-"""Owner-to-non-owner expert transfer over one hivemind P2P handler keyed by expert ID (SPEC §2b, issue 3 step 3).
+"""Owner-to-non-owner expert transfer over one hivemind P2P handler keyed by expert ID (docs/DESIGN.md, "A round").
 
 Each peer runs one `ExpertExchange`: it serves the experts it published for recent sync rounds and fetches other
 owners' experts, all through a single streaming rpc handler (not one averager per expert). Wire format:
 
-- request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")`, optionally with `metadata` = MSGPack
+- request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")` (or `"m{expert}@0"`: the owner's AdamW moments of the
+  expert, for a peer taking it over; docs/DESIGN.md "Coverage"), optionally with `metadata` = MSGPack
   `{"min_round": m}`: if that round is not there, an older copy no older than round `m` may be served instead
   (an owner one round behind; docs/DESIGN.md, "Bandwidth-aware rounds");
 - response stream of `runtime_pb2.ExpertResponse`: first message `metadata` = MSGPack `{"names": [...],
@@ -20,10 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import re
 import threading
 from contextlib import suppress
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 from hivemind.dht import DHT
@@ -34,6 +34,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from sync.codec import COMPRESSION_TYPES, MalformedResponse, deserialize_parts as _deserialize_parts
+from sync.codec import parse_metadata as _parse_metadata, parse_request_metadata as _parse_request_metadata
+from sync.codec import parse_uid as _parse_uid
 from sync.codec import serialize_tensor as _serialize_tensor
 from sync.codec import MIN_8BIT_NUMEL, extract_quantized, patch_hivemind_8bit_decoder  # noqa: F401 (their old home)
 from sync.validate import RejectCounter
@@ -44,10 +46,6 @@ logger = get_logger(__name__)
 PARTS_PER_MESSAGE = 16
 # A hostile server could stream forever inside the timeout; cap what one fetch may buffer.
 DEFAULT_MAX_FETCH_BYTES = 16 * 2**30
-# ASCII digits only ("\d" would accept other scripts' digits); the length bound keeps int() cheap.
-_UID_RE = re.compile(r"([0-9]{1,9})@([0-9]{1,18})")
-_MAX_NAMES, _MAX_NAME_LEN = 100_000, 1_000
-_MAX_REQUEST_METADATA = 256
 
 
 class FetchedExpert(dict):
@@ -63,57 +61,12 @@ class IncompleteResponse(ConnectionError):
     although the server sent everything, so it is treated as a transport failure and retried, not refused."""
 
 
-def _parse_uid(uid: str) -> tuple[int, int] | None:
-    match = _UID_RE.fullmatch(uid) if isinstance(uid, str) and len(uid) <= 32 else None
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def _parse_request_metadata(raw: bytes) -> tuple[bool, int | None]:
-    """(well-formed, min_round) of a request's optional metadata."""
-    if not raw:
-        return True, None
-    if len(raw) > _MAX_REQUEST_METADATA:
-        return False, None
-    try:
-        meta = MSGPackSerializer.loads(raw)
-    except Exception:
-        return False, None
-    if not isinstance(meta, dict):
-        return False, None
-    min_round = meta.get("min_round")
-    if min_round is not None and (isinstance(min_round, bool) or not isinstance(min_round, int) or min_round < 0):
-        return False, None
-    return True, min_round
-
-
-def _parse_metadata(raw: bytes) -> dict:
-    if not raw:
-        raise MalformedResponse("first message carries no metadata")
-    try:
-        meta = MSGPackSerializer.loads(raw)
-    except Exception as e:
-        raise MalformedResponse(f"undecodable metadata: {type(e).__name__}") from None
-    if not isinstance(meta, dict):
-        raise MalformedResponse("metadata is not a map")
-    if "error" in meta:
-        if not isinstance(meta["error"], str):
-            raise MalformedResponse("metadata error is not a string")
-        return meta
-    names, round_id = meta.get("names"), meta.get("round")
-    if (not isinstance(names, list) or len(names) > _MAX_NAMES
-            or not all(isinstance(n, str) and len(n) <= _MAX_NAME_LEN for n in names)
-            or len(set(names)) != len(names)):
-        raise MalformedResponse("metadata names are not a list of distinct strings")
-    if not isinstance(round_id, int) or isinstance(round_id, bool):
-        raise MalformedResponse("metadata round is not an int")
-    return meta
-
-
 class _Entry:
     """One published (expert, round): CPU snapshot until first served, then only its serialized form."""
 
-    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], codec: int | None = None) -> None:
         self.names = names
+        self.codec = codec  # None: the exchange's
         self.tensors: list[torch.Tensor] | None = tensors
         self.serialized: list[runtime_pb2.Tensor] | None = None
         self.job: asyncio.Future | None = None  # touched only on the exchange's loop thread
@@ -161,6 +114,8 @@ class ExpertExchange:
         self.rejects = rejects if rejects is not None else RejectCounter()
         self.max_fetch_bytes = max_fetch_bytes
         self.gate = gate
+        # Set by the peer: expert -> its optimizer moments (name -> tensor) if this peer owns it, else None.
+        self.moments_provider: Callable[[int], dict[str, torch.Tensor] | None] | None = None
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
         self._store: dict[int, dict[int, _Entry]] = {}
@@ -221,6 +176,22 @@ class ExpertExchange:
             if newest > round_id or (min_round is not None and min_round <= newest):
                 return newest, rounds[newest]
             return round_id, None
+    def _moments_entry(self, expert: int) -> _Entry | None:
+        """The optimizer moments of an owned expert, read now from `moments_provider` (set by the peer: sync/
+        knows no optimizer), or None. Served only on request (a handoff), so they cost nothing otherwise."""
+        provider = self.moments_provider
+        try:
+            tensors = provider(expert) if provider is not None else None
+        except Exception as e:  # the training loop changed ownership meanwhile, ...: just not available
+            logger.debug(f"no moments for expert {expert}: {e!r}")
+            tensors = None
+        if not tensors:
+            return None
+        names = list(tensors)
+        # Uncompressed: 8-bit or fp16 rounding of the second moment would break the invariant the receiver checks.
+        return _Entry(names, [tensors[n].detach().to("cpu", torch.float32, copy=True).contiguous() for n in names],
+                      codec=COMPRESSION_TYPES["none"])
+
     def published(self, expert: int) -> int | None:
         """The newest round published for `expert`, or None."""
         with self._lock:
@@ -228,7 +199,8 @@ class ExpertExchange:
             return max(rounds) if rounds else None
 
     def _serialize_entry(self, entry: _Entry) -> list[runtime_pb2.Tensor]:
-        serialized = [_serialize_tensor(t, self._codec) for t in entry.tensors]
+        codec = entry.codec if entry.codec is not None else self._codec
+        serialized = [_serialize_tensor(t, codec) for t in entry.tensors]
         entry.serialized, entry.tensors = serialized, None  # keep one form only: the serialized one is served
         return serialized
 
@@ -249,8 +221,11 @@ class ExpertExchange:
             logger.debug(f"Refusing malformed expert request uid {uid[:40]!r}")
             yield error("bad request")
             return
-        expert = parsed[0]
-        round_id, entry = self._lookup(expert, parsed[1], min_round)
+        moments, expert = parsed[0], parsed[1]
+        if moments:
+            round_id, entry = parsed[2], self._moments_entry(expert)
+        else:
+            round_id, entry = self._lookup(expert, parsed[2], min_round)
         if entry is None:
             yield error("missing")
             return
@@ -305,13 +280,24 @@ class ExpertExchange:
             future.cancel()
             return None
 
+    def fetch_moments(self, peer: PeerID, expert: int, timeout: float) -> dict[str, torch.Tensor] | None:
+        """Blocking: `peer`'s optimizer moments of `expert` (name -> tensor, not validated), None if it has none."""
+        if self._closed:
+            return None
+        future = asyncio.run_coroutine_threadsafe(self._fetch(peer, int(expert), 0, timeout, moments=True), self._loop)
+        try:
+            return future.result(timeout=timeout + 5.0)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            return None
+
     async def _fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float, options: bytes = b"",
-                     min_round: int | None = None) -> FetchedExpert | None:
-        what = f"expert {expert}@{round_id} from {peer}"
+                     min_round: int | None = None, moments: bool = False) -> FetchedExpert | None:
+        uid = f"{'m' if moments else ''}{expert}@{round_id}"
+        what = f"{'moments of ' if moments else ''}expert {expert}@{round_id} from {peer}"
         min_round = round_id if min_round is None else min_round
         try:
-            return await asyncio.wait_for(self._fetch_retrying(peer, f"{expert}@{round_id}", min_round, options),
-                                          timeout)
+            return await asyncio.wait_for(self._fetch_retrying(peer, uid, min_round, options), timeout)
         except asyncio.TimeoutError:
             logger.debug(f"Timed out fetching {what} after {timeout:.1f}s")
         except IncompleteResponse as e:

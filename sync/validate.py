@@ -1,4 +1,4 @@
-"""Validation of tensors received from other peers, before they touch the model (SPEC §1, issue 3 step 4).
+"""Validation of tensors received from other peers, before they touch the model (docs/DESIGN.md, "Hostile peers").
 
 A peer on the network may be buggy or hostile: anything it sends is checked against the local copy (names,
 shapes, dtype, finiteness, norm). Validation is all-or-nothing per expert, because a half-updated expert is

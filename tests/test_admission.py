@@ -1,4 +1,4 @@
-"""Closed runs (SPEC §3a): tickets and revocations, `python -m peer.admit`, peer.run's admission flags, and the
+"""Closed runs (docs/DESIGN.md): tickets and revocations, `python -m peer.admit`, peer.run's admission flags, and the
 door check (sync.admission.Gate) against real hivemind DHTs on 127.0.0.1 in this process.
 
 Every DHT started here is shut down; p2pd daemons started from this module carry an environment marker, and the

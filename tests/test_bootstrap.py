@@ -232,7 +232,7 @@ def test_status_line_and_swarm_metrics():
         assert "spes_swarm_peers 2.0" in text, text
         for expert, owners in {0: 1, 1: 2, 2: 1, 3: 0}.items():
             assert f'spes_swarm_expert_replicas{{expert="{expert}"}} {owners}.0' in text, text
-        assert "spes_swarm_tokens_total 1234.0" in text, text
+        assert "spes_swarm_tokens_total 1234.0" in text and "spes_swarm_uncovered_experts 1.0" in text, text
         assert "# TYPE spes_swarm_peers gauge" in text and "# TYPE spes_swarm_tokens_total gauge" in text
 
         swarms[0].withdraw()  # a clean leave: gone from the status and the gauges without waiting for expiry
@@ -242,6 +242,7 @@ def test_status_line_and_swarm_metrics():
         while "spes_swarm_peers 1.0" not in (text := _metrics(metrics_port)) and time.monotonic() < deadline:
             time.sleep(0.3)
         assert "spes_swarm_peers 1.0" in text and 'spes_swarm_expert_replicas{expert="0"} 0.0' in text, text
+        assert "spes_swarm_uncovered_experts 2.0" in text, text
         assert node.stop() == 0
     finally:
         for swarm in swarms:

@@ -14,38 +14,19 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from bench.adversary import start_attacker, supported_kwargs
-from model.config import ModelConfig
-from model.model import SpesMoE
+from bench.adversary import start_attacker
 from peer.config import RunConfig
 from sync.config import SyncConfig
-from sync.rounds import SparseSync
-from sync.swarm import Swarm, start_dht
 from sync.validate import RejectCounter
-from tests.conftest import REPO
+from tests.conftest import MODEL, REPO, Peer, sync_cfg as _sync_cfg
 
 RUN_ID = "byz-test"
-MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, top_k=2,
-                    expert_hidden=32, seq_len=16, frozen_expert_dtype="float32")
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TOKENS = 128  # what each honest peer claims per round: a full round at the run's batch settings (the weight cap)
 ROUNDS = 3
-
-
-@dataclass
-class Peer:
-    model: SpesMoE
-    swarm: Swarm
-    sync: SparseSync
-
-
-def _sync_cfg(**kw) -> SyncConfig:
-    return SyncConfig(**{"every": 1, "round_timeout": 20.0, "matchmaking_time": 2.0, "record_ttl": 6.0, **kw})
 
 
 def _run_cfg(sync: SyncConfig) -> RunConfig:
@@ -58,35 +39,12 @@ def _cap(cfg: RunConfig) -> float:
 
 
 @pytest.fixture
-def honest():
-    """make(owned, cfg) -> an honest peer wired as peer.node.PeerNode wires one (validated DHT records, shared
-    reject counter, weight cap: whatever this build's start_dht / SparseSync accept)."""
-    peers: list[Peer] = []
-    first: list[str] = []
-
+def honest(swarm_factory):
+    """make(owned, cfg) -> an honest peer wired as peer.node.PeerNode wires one (validated DHT records, one
+    reject counter for them and the rounds, the weight cap), from the shared launcher (tests/conftest.py)."""
     def make(owned: list[int], cfg: SyncConfig) -> Peer:
-        rejects = RejectCounter()
-        dht = start_dht(first, LOOPBACK, **supported_kwargs(start_dht, run_id=RUN_ID, num_experts=MODEL.num_experts,
-                                                            record_ttl=cfg.record_ttl, rejects=rejects))
-        if not first:
-            first.extend(str(m) for m in dht.get_visible_maddrs())
-        swarm = Swarm(dht, RUN_ID, MODEL.num_experts, ttl=cfg.record_ttl)
-        model = SpesMoE(MODEL, owned_experts=owned, seed=0)
-        sync = SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts,
-                          **supported_kwargs(SparseSync, rejects=rejects, max_weight=_cap(_run_cfg(cfg))))
-        peer = Peer(model, swarm, sync)
-        peers.append(peer)
-        sync.join(step=0, tokens=0)
-        return peer
-
-    try:
-        yield make
-    finally:
-        for peer in peers:
-            try:
-                peer.sync.shutdown()
-            except Exception:
-                pass
+        return swarm_factory(owned, cfg, run_id=RUN_ID, rejects=RejectCounter(), max_weight=_cap(_run_cfg(cfg)))
+    return make
 
 
 def _pair(honest, cfg) -> tuple[Peer, Peer]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import os
 import subprocess
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 def _digest(directory: Path) -> dict[str, str]:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".lock"}  # the lock is no user data
 
 
 @pytest.mark.parametrize("args, cause", [
@@ -43,9 +44,15 @@ def _digest(directory: Path) -> dict[str, str]:
     (["--experts", "0-9"], "experts are numbered 0..3"),
     (["--device", "tpu"], "--device"),
     (["--dataset", "/no/such/corpus.jsonl"], "/no/such/corpus.jsonl"),
+    # Offline checks come before the DHT: with an unreachable initial peer too, the error is the dataset's, and
+    # no DHT was started (its "initial peer:" line would come first).
+    (["--dataset", "/no/such/corpus.jsonl", "--initial-peers",
+      "/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf"], "/no/such/corpus.jsonl"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf"],
      "cannot reach any initial peer (/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf)"),
     (["--initial-peers", "garbage"], "garbage"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/4000"], "/ip4/127.0.0.1/tcp/4000 names no peer: the address must end "
+                                                     "with /p2p/<peer ID>"),
     (["--host-maddrs", "/ip4/127.0.0.1/tcp/notaport"], "notaport"),
     (["--announce-maddrs", "/ip4/1.2.3/tcp/5"], "bad multiaddr '/ip4/1.2.3/tcp/5' (--announce-maddrs)"),
     (["--metrics-port", "70000"], "metrics.port must be in [0, 65535]"),
@@ -55,6 +62,8 @@ def test_bad_input_gives_one_line_error(tmp_path, args, cause):
     line = _one_error_line(proc)
     assert cause in line, proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+    if "--dataset" in args and "--initial-peers" in args:
+        assert "initial peer" not in proc.stderr.replace(line, ""), proc.stderr
 
 
 def test_unknown_key_in_config_file(tmp_path):
@@ -130,3 +139,36 @@ def test_daemon_port_error_is_translated():
            "[listen tcp4 127.0.0.1:41965: bind: address already in use]")
     assert explain_swarm_error(raw) == "port 41965 is in use"
     assert explain_swarm_error("something else") == "something else"
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["--set", "data.tokenizer=someone/tokenizer"], "cannot load tokenizer 'someone/tokenizer': not in the local cache"),
+    (["--dataset", "someone/corpus"], "cannot read dataset someone/corpus: it is no local path"),
+])
+def test_unreachable_hub_is_one_line_without_retries(tmp_path, args, cause):
+    """A hub name while the hub cannot be reached (no network, a firewall): one error line at once, not ~45 s of
+    doubled retry warnings. The hub here is a local port nothing listens on; offline mode is off."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    proc = subprocess.run(peer_cmd("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
+                                   "--sync-every", "0", *args), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    line = _one_error_line(proc)
+    assert cause in line and "127.0.0.1 cannot be reached" in line, proc.stderr
+    assert "Retry" not in proc.stderr and "WARN" not in proc.stderr, proc.stderr
+
+
+def test_help_shows_every_default():
+    """`--help` names the default of every option that has one (the built-in config's value, or what happens
+    without it), so nobody has to read the code to learn what a run does by default."""
+    import re
+
+    from peer.run import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for flag in ("--config", "--initial-peers", "--run-id", "--experts", "--max-steps", "--sync-every", "--run-dir",
+                 "--metrics-port", "--host-maddrs", "--announce-maddrs", "--identity-path", "--device", "--dataset",
+                 "--tokenizer"):
+        entry = re.search(rf"\s{flag} [^-].*?(?= --[a-z]|$)", text)
+        assert entry and "default" in entry.group(0), (flag, entry and entry.group(0))

@@ -46,7 +46,7 @@ def closed_swarm(tmp_path):
                       ticket=admission.own_ticket if admission else b"", admission=admission)
         model = SpesMoE(MODEL, owned_experts=owned, seed=0)
         gate = Gate(dht, admission) if admission else None
-        sync = SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts, gate=gate)
+        sync = SparseSync(model, swarm, cfg, gate=gate)
         syncs.append(sync)
         return sync
 
@@ -145,11 +145,17 @@ def test_closed_run_as_processes(tmp_path):
             (tmp_path / f"{name}.log").write_text(err)
         for p, err in zip(procs, outputs):
             assert p.returncode == 0, err[-3000:]
+        refused = {}
         for name, err in zip("ab", outputs[:2]):
             groups = re.findall(r"shared group (\d+)", err)
-            assert groups and set(groups) == {"2"}, err[-3000:]  # never with the stranger
+            # Never with the stranger (its averager is refused, so no group of 3 forms); a round alone ("1") is
+            # fine: when one peer finishes first, the other's last round finds nobody to average with.
+            assert "2" in groups and set(groups) <= {"1", "2"}, err[-3000:]
             last = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
-            assert last["rejected"]["unauthorized"] > 0, last
+            refused[name] = last["rejected"]["unauthorized"]
+        # The stranger knocked and was refused. Which admitted peer refused it depends on which group it tried to
+        # join and which experts it picked (it asks only the owners of its own experts), so count both together.
+        assert sum(refused.values()) > 0, refused
         # The stranger may lead a "group" that admitted peers leave before any tensor moves (their averagers
         # refuse an all-reduce with an unadmitted member), but it never receives an expert.
         synced = re.findall(r"experts synced (\d+)", outputs[2])

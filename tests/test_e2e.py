@@ -67,7 +67,12 @@ def test_three_peer_processes_through_hivemind_dht(tmp_path):
             assert p.returncode == 0, err[-3000:]
         for i, (_, err) in enumerate(outputs):
             records = [json.loads(l) for l in (tmp_path / f"peer{i}" / "metrics.jsonl").read_text().splitlines()]
-            assert records[-1]["step"] == 40 and records[-1]["rounds"] >= 3, records[-1]
+            assert records[-1]["step"] == 40, records[-1]
+            # Counted from the log: the last round is applied after the last metrics record (drained at the end).
+            # A peer that started first may train up to every/2 steps past a due round while the others have not
+            # reached it yet (SparseSync._defer), so 3 rounds in 40 steps at every=10, not 4.
+            applied = re.findall(r"round \d+ applied at step", err)
+            assert len(applied) >= 3, err[-3000:]
             assert records[-1]["owned_experts"], records[-1]
             assert re.search(r"shared group [23]", err), err[-3000:]
     finally:

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from sync.config import MergeConfig
 from sync.merge import merge_alpha, merge_deltas, merge_due, merge_neighbours
-from tests.test_swarm import MODEL, _experts, _local_training, _sync_cfg, swarm_factory  # noqa: F401 (fixture)
+from tests.conftest import MODEL, sync_cfg as _sync_cfg
+from tests.test_swarm import _experts, _local_training
 
 
 def reference_merge(snapshot: dict[int, dict[str, torch.Tensor]], alpha: float, topk: int,
@@ -55,7 +56,8 @@ def test_vectorized_merge_equals_the_reference():
     g = torch.Generator().manual_seed(1)
     snapshot = {e: {f"layers.{l}.{n}": torch.randn(*shape, generator=g) for l in range(2)
                     for n, shape in (("gate_up_proj", (8, 4)), ("down_proj", (4, 4)))} for e in range(5)}
-    deltas = merge_deltas(snapshot, targets=[0, 3], alpha=0.3, topk=2, n_layers=2)
+    deltas = merge_deltas(snapshot, targets=[0, 3], alpha=0.3, topk=2,
+                          layers=[[f"layers.{l}.gate_up_proj", f"layers.{l}.down_proj"] for l in range(2)])
     reference = reference_merge(snapshot, alpha=0.3, topk=2, n_layers=2)
     for e in (0, 3):
         for name, delta in deltas[e].items():

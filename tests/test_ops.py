@@ -91,11 +91,12 @@ def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path):
         peers, peer_logs = [], []
         for i in range(2):
             peer_logs.append(tmp_path / f"peer{i}.log")
-            # Fixed experts (auto could give both the same one, and then nothing would be orphaned). A round in
-            # flight when the other peer leaves waits for it up to sync.round_timeout: keep that short.
+            # Fixed experts covering all four (auto could give both the same ones, and then nothing would be
+            # orphaned). A round in flight when the other peer leaves waits for it up to sync.round_timeout: keep
+            # that short.
             peers.append(start(peer_cmd(
                 "--config", "configs/tiny.yaml", "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                "--run-id", "ops", "--run-dir", str(tmp_path / f"peer{i}"), "--experts", str(i),
+                "--run-id", "ops", "--run-dir", str(tmp_path / f"peer{i}"), "--experts", ("0-1", "2-3")[i],
                 "--max-steps", "100000", "--sync-every", "4", "--set", f"sync.record_ttl={RECORD_TTL}",
                 "--set", "sync.matchmaking_time=2", "--set", "sync.round_timeout=10", "--set", "train.eval_every=0",
                 "--set", "train.checkpoint_every=100000", "--set", "train.log_every=1"), peer_logs[-1]))
@@ -117,11 +118,11 @@ def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path):
         while alive(children) and time.time() < deadline:
             time.sleep(0.2)
         assert not alive(children), f"left behind: {alive(children)}"
-        # The survivor adopts expert 1 from the withdrawn record, well before the record could have expired.
-        match = wait_for(peer_logs[0], r"adopting orphaned experts \[1\]", [survivor], RECORD_TTL / 2)
+        # The survivor adopts experts 2 and 3 from the withdrawn record, well before the record could have expired.
+        match = wait_for(peer_logs[0], r"adopting experts \[2, 3\]", [survivor], RECORD_TTL / 2)
         adopted_after = time.time() - left_at
         assert adopted_after < RECORD_TTL / 2, adopted_after
-        wait_for(tmp_path / "peer0" / "metrics.jsonl", r'"owned_experts": \[0, 1\]', [survivor], 60)
+        wait_for(tmp_path / "peer0" / "metrics.jsonl", r'"owned_experts": \[0, 1, 2, 3\]', [survivor], 60)
         assert match
         # The survivor's records carry the sync counters the benchmarks read.
         last = json.loads((tmp_path / "peer0" / "metrics.jsonl").read_text().splitlines()[-1])

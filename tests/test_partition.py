@@ -118,3 +118,26 @@ def test_three_times_slower_peer_joins_the_rounds_without_stalling_the_fast_ones
         assert sum(r.group >= 3 for r in fast) >= len(fast) / 2, [(r.round_id, r.group) for r in fast]
         # ... and no round of theirs waited for it beyond the matchmaking window.
         assert max(r.seconds for r in fast) <= MATCHMAKING + ROUND_TIMEOUT, [r.seconds for r in fast]
+
+
+@pytest.mark.timeout(300)
+def test_stop_completes_within_ten_seconds_while_the_partner_is_gone_mid_round(netlab: NetLab) -> None:
+    """SIGTERM (or Ctrl-C) ends a peer within 10 s even when its round is stuck on a partner whose link just went
+    down (issue 12: stopping took the whole 60 s round timeout). Its round is abandoned, not awaited."""
+    boot_node = netlab.add_public("boot")
+    for name in ("pa", "pb"):
+        netlab.add_public(name)
+    boot, initial = start_bootstrap(netlab, boot_node, 4)
+    flags = ("--set", "sync.matchmaking_time=2", "--set", "sync.round_timeout=60", "--set", "sync.record_ttl=60",
+             "--set", "sync.wait_for_peers=2", "--set", "train.log_every=1")
+    peers = {n: spes_peer(netlab, n, initial, e, *flags, steps=100_000, every=10)
+             for n, e in (("pa", "0-1"), ("pb", "2-3"))}
+    wait_rounds(peers["pa"], 2, 180, min_group=2)
+    with netlab.partitioned("pb"):
+        time.sleep(3)  # pa's next round now waits on pb: its group, then its expert copies
+        stopped_at = time.monotonic()
+        peers["pa"].popen.send_signal(signal.SIGTERM)
+        assert peers["pa"].wait(timeout=30) == 0, peers["pa"].log_tail(40)
+        took = time.monotonic() - stopped_at
+    assert took < 10.0, (took, peers["pa"].log_tail(30))
+    _stop([peers["pb"]])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from peer.callbacks import Callback
 from sync.records import peers_key
 from sync.robust import AggregationPolicy, centered_clip, robust_mean
 from sync.swarm import PeerRecord, Swarm, median_round, start_dht
@@ -182,7 +183,11 @@ def test_nonfinite_loss_right_after_a_round_rolls_back_and_training_goes_on(tmp_
             poisoned.append(name)
 
     with PeerNode(cfg, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as node:
-        node.trainer.step_hooks.append(poison)
+        class Poison(Callback):
+            def post_step(self, trainer) -> None:
+                poison(trainer)
+
+        node.trainer.add_callback(Poison())
         node.run()
         assert poisoned and node.sync.rollbacks == 1
         assert node.trainer.step == 12 and math.isfinite(node.trainer.last_loss)

@@ -5,68 +5,14 @@ stood in for by seeded perturbations of what each peer trains, so the expected p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.model import SpesMoE
-from sync.config import SyncConfig
-from sync.rounds import SparseSync
-from sync.swarm import Swarm, start_dht
-
-MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, top_k=2,
-                    expert_hidden=32, seq_len=16, frozen_expert_dtype="float32")
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-
-
-@dataclass
-class Peer:
-    model: SpesMoE
-    swarm: Swarm
-    sync: SparseSync
-
-    def shutdown(self) -> None:
-        self.sync.shutdown()
-
-
-def _sync_cfg(**kw) -> SyncConfig:
-    base = dict(every=1, round_timeout=20.0, matchmaking_time=2.0, record_ttl=6.0)
-    base.update(kw)
-    return SyncConfig(**base)
-
-
-@pytest.fixture
-def swarm_factory():
-    peers: list[Peer] = []
-    first_maddrs: list[str] = []
-
-    def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True, bandwidth: float | None = None
-             ) -> Peer:
-        cfg = cfg or _sync_cfg()
-        # Signed, validated records as in peer.run (sync.records).
-        dht = start_dht(first_maddrs, LOOPBACK, run_id="test-run", num_experts=MODEL.num_experts,
-                        record_ttl=cfg.record_ttl)
-        if not first_maddrs:
-            first_maddrs.extend(str(m) for m in dht.get_visible_maddrs())
-        swarm = Swarm(dht, "test-run", MODEL.num_experts, ttl=cfg.record_ttl)
-        model = SpesMoE(MODEL, owned_experts=owned, seed=0)
-        peer = Peer(model, swarm, SparseSync(model, swarm, cfg, set_owned=model.set_owned_experts, bandwidth=bandwidth))
-        peers.append(peer)
-        if join:
-            peer.sync.join(step=0, tokens=0)
-        return peer
-
-    try:
-        yield make
-    finally:
-        for peer in peers:
-            try:
-                peer.shutdown()
-            except Exception:
-                pass
+from tests.conftest import MODEL, Peer, sync_cfg as _sync_cfg
 
 
 @torch.no_grad()
@@ -125,7 +71,8 @@ def test_round_averages_shared_and_spreads_owned_experts(swarm_factory):
 
 def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monkeypatch):
     """A slow owner's expert copy does not hold the round up: the fetcher applies what arrived by its deadline,
-    keeps the slow transfer running (never asking twice) and applies the copy in a later round."""
+    keeps the slow transfer running (never asking twice) and applies the copy in a later round; while that
+    owner's last copy was slow, later rounds do not wait for its copies at all."""
     fast, slow = swarm_factory([0, 1, 2]), swarm_factory([3])
     served: list[str] = []
     original = slow.sync.exchange._serve
@@ -153,8 +100,22 @@ def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monk
     _assert_experts_equal(_experts(fast)[3], round1_copy)  # the round-1 copy, one round late
     _local_training(fast, seed=8)
     _local_training(slow, seed=9)
-    reports = _round_all([fast, slow])  # and the next round asks again, for the current copy
-    assert 3 in reports[0].experts_synced and served[-1] == "3@3", served
+    started = time.monotonic()
+    reports = _round_all([fast, slow])  # the next round asks again, for the current copy, but does not wait:
+    assert reports[0].experts_missing == [3], reports[0]  # its last copy took 8 s
+    assert time.monotonic() - started < 2.0, "waited for an owner whose last copy took 8 s"
+    round3_copy = _experts(slow)[3]
+    time.sleep(1.0)  # quick this time: it arrives right after the round
+    assert served[-1] == "3@3", served
+    _local_training(fast, seed=10)  # (a round's own change is the yardstick of the copies' change)
+    _local_training(slow, seed=11)
+    reports = _round_all([fast, slow])
+    assert 3 in reports[0].experts_synced and served[-1] == "3@3", (reports[0], served)  # used, not asked again
+    _assert_experts_equal(_experts(fast)[3], round3_copy)
+    _local_training(fast, seed=12)
+    _local_training(slow, seed=13)
+    reports = _round_all([fast, slow])  # its last copy was quick: waited for again
+    assert 3 in reports[0].experts_synced and served[-1] == "3@5", (reports[0], served)
     _assert_experts_equal(_experts(fast)[3], _experts(slow)[3])
 
 
@@ -254,6 +215,47 @@ def test_leaving_peer_does_not_wait_the_round_timeout_for_a_partner_that_left(sw
     assert a.sync.finish_round(block=True) is None
 
 
+def test_last_peer_stops_looking_for_a_group_once_the_others_left(swarm_factory):
+    """Draining its last round, a peer whose partners finished and withdrew their records stops looking for a
+    group within a poll or two of the background reader, not after the whole grace."""
+    cfg = _sync_cfg(matchmaking_time=5.0, round_timeout=30.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b])
+    a.sync.start_round(step=2, tokens=200, tokens_since_last=100)  # expects b, which is about to leave
+    b.shutdown()  # withdraws its record
+    start = time.monotonic()
+    report = a.sync.drain(grace=20.0)
+    assert report.group_size == 1 and time.monotonic() - start < 8.0, (report, time.monotonic() - start)
+
+
+def test_draining_peer_does_not_give_up_its_group_on_one_partial_read(swarm_factory, monkeypatch):
+    """A background read that comes back with this peer's own record alone (as DHT reads sometimes do) is not
+    "the others left": the draining peer keeps looking, and the partner that reaches the round later joins it
+    (CI once saw the first peer to finish give up, leaving the other to average its last round alone)."""
+    cfg = _sync_cfg(matchmaking_time=8.0, round_timeout=30.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b])
+    key, real_get, partial = a.swarm.key, a.swarm.dht.get, []
+
+    def own_record_only_twice(k, *args, **kw):  # the background reader's next two reads
+        found = real_get(k, *args, **kw)
+        if k != key or found is None or threading.current_thread().name != "spes-progress" or len(partial) >= 2:
+            return found
+        partial.append(time.monotonic())
+        return type(found)({p: v for p, v in found.value.items() if p == a.swarm.peer_id}, found.expiration_time)
+
+    monkeypatch.setattr(a.swarm.dht, "get", own_record_only_twice)
+    a.sync.start_round(step=2, tokens=200, tokens_since_last=100)
+    draining = concurrent.futures.ThreadPoolExecutor(1).submit(a.sync.drain, 20.0)
+    deadline = time.monotonic() + 10
+    while len(partial) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(partial) == 2 and not draining.done()
+    b.sync.start_round(step=2, tokens=200, tokens_since_last=100)  # b reaches the round after the partial reads
+    reports = [draining.result(timeout=60), b.sync.finish_round(block=True)]
+    assert [r.group_size for r in reports] == [2, 2], reports
+
+
 def test_dead_peer_does_not_block_and_its_experts_are_adopted(swarm_factory):
     cfg = _sync_cfg(record_ttl=3.0)
     a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
@@ -264,11 +266,62 @@ def test_dead_peer_does_not_block_and_its_experts_are_adopted(swarm_factory):
     assert time.monotonic() - start < cfg.round_timeout + 10
     assert all(r.group_size == 2 for r in reports)
     time.sleep(cfg.record_ttl + 1)  # c's record expires
-    reports = _round_all([a, b])
-    adopted = sorted(reports[0].adopted + reports[1].adopted)
-    assert adopted == [2, 3]
+    # Adopted after two reads without an owner (sync.ownership): the round above may already have read c's record
+    # expired (under load it can outlast the 3 s ttl), so within two more rounds, once, by one peer each.
+    adopted: list[int] = []
+    for _ in range(2):
+        reports = _round_all([a, b])
+        adopted += reports[0].adopted + reports[1].adopted
+    assert sorted(adopted) == [2, 3], adopted
     coverage = a.swarm.coverage()
     assert all(len(owners) == 1 for owners in coverage.values()), coverage
+
+
+def test_finished_peer_leaves_without_making_the_others_adopt_its_experts(swarm_factory, caplog):
+    """A peer that completed its fixed-length run marks its record finished when it leaves: the peers still
+    running stop counting it but never adopt its experts (nor warn about them) for their last steps,
+    even after its record expired; a peer joining later does take them, as experts nobody owns."""
+    cfg = _sync_cfg(record_ttl=3.0)
+    a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b, c])
+    c.sync.shutdown(finished=True)
+    reports = _round_all([a, b])
+    assert all(r.group_size == 2 for r in reports), reports
+    time.sleep(cfg.record_ttl + 1.5)  # the finished record expired too
+    for _ in range(3):  # more than the two reads that adopt a dead peer's experts
+        reports = _round_all([a, b])
+        assert not any(r.adopted for r in reports), reports
+    assert a.swarm.finished_experts() == {2, 3} and sorted(a.model.owned_experts) == [0]
+    assert not any("have no owner" in r.getMessage() for r in caplog.records)
+    joiner = swarm_factory([0, 1], cfg, auto=True)
+    assert sorted(joiner.model.owned_experts) == [2, 3]
+    reports = _round_all([a, b])
+    assert a.swarm.finished_experts() == set()  # owned again: if its new owner dies, it is adopted as usual
+
+
+def test_partial_record_read_is_not_a_swarm_without_peers(swarm_factory, monkeypatch):
+    """A DHT read that returns only this peer's own record (a home peer behind a NAT once did) must not make it
+    adopt the experts of peers it merely could not see; the reachable initial peers would call it alone."""
+    a, b = swarm_factory([0, 1]), swarm_factory([2, 3])
+    _round_all([a, b])
+    key, real_get = b.swarm.key, b.swarm.dht.get
+
+    def own_record_only(k, *args, **kw):  # the read after the all-reduce, in the round's network thread
+        found = real_get(k, *args, **kw)
+        if k != key or found is None or threading.current_thread().name != "spes-round":
+            return found
+        return type(found)({p: v for p, v in found.value.items() if p == b.swarm.peer_id}, found.expiration_time)
+
+    monkeypatch.setattr(b.swarm.dht, "get", own_record_only)
+    for step in (2, 3):  # the all-reduce still finds a; the read after it does not show a, twice in a row
+        a.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
+        b.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
+        reports = [p.sync.finish_round(block=True) for p in (a, b)]
+        assert reports[1].group_size == 2 and reports[1].adopted == [], reports
+        assert sorted(b.model.owned_experts) == [2, 3] and reports[1].experts_synced == [0, 1], reports
+    monkeypatch.undo()
+    reports = _round_all([a, b])  # and with the records readable again, a normal round
+    assert [r.group_size for r in reports] == [2, 2] and not any(r.adopted for r in reports), reports
 
 
 def test_late_joiner_downloads_the_swarm_state_and_joins_the_next_round(swarm_factory):
@@ -306,12 +359,95 @@ def test_least_covered_and_adoption_rules_are_deterministic():
     assert least_covered(coverage, 3, "x")[2] == 2
 
 
-def test_only_experts_seen_owned_are_adopted(swarm_factory):
-    a = swarm_factory([0])
+def test_never_owned_experts_are_adopted_within_each_peers_budget(swarm_factory):
+    """Uncovered experts are adopted whether or not anyone ever owned them, by peers with room under the budget
+    their records publish (a peer at its budget adopts nothing; this one's budget is its max_owned)."""
+    a, b = swarm_factory([0]), swarm_factory([1], _sync_cfg(max_experts_per_peer=1))
     records = a.swarm.peers()
-    assert a.swarm.orphans_to_adopt([0], 4, records, adoptable={0}) == []
-    assert a.swarm.orphans_to_adopt([0], 4, records, adoptable={0, 2}) == [2]
-    assert a.swarm.orphans_to_adopt([0], 1, records, adoptable={0, 2}) == []  # no room left
+    assert records[b.swarm.peer_id].budget == 1 and records[a.swarm.peer_id].budget == MODEL.num_experts
+    assert a.swarm.orphans_to_adopt([0], 4, records) == [2, 3]  # b has no room: a takes both
+    assert a.swarm.orphans_to_adopt([0], 2, records) == [2]  # room for one more: the lowest uncovered index
+    assert a.swarm.orphans_to_adopt([0], 1, records) == []  # no room left anywhere
+
+
+def test_three_peers_on_four_experts_train_all_four(swarm_factory):
+    """Nobody chose expert 3: one peer adopts it (after two reads agree), takes care of it, and says so in its
+    record; from then on every expert is trained."""
+    peers = [swarm_factory([0]), swarm_factory([1]), swarm_factory([2])]
+    adopted = {}
+    for _ in range(3):
+        for peer, report in zip(peers, _round_all(peers)):
+            if report.adopted:
+                adopted[peer.swarm.peer_id] = report.adopted
+    assert list(adopted.values()) == [[3]], adopted
+    coverage = peers[0].swarm.coverage()
+    assert all(len(owners) == 1 for owners in coverage.values()), coverage
+    (carer,) = adopted
+    assert peers[0].swarm.peers()[carer].caretaking == [3]
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_simultaneous_joiners_claim_different_experts_while_some_are_uncovered(swarm_factory, repeat):
+    """Four joiners with --experts auto start at the same moment on a 4-expert model whose only peer owns
+    expert 0: without claims each picks one of the 3 uncovered experts by its own hash order, and they left one
+    uncovered more often than not. With claims, the 3 are taken by 3 different joiners; the 4th replicates."""
+    from tests.conftest import LOOPBACK
+    from sync.swarm import Swarm, start_dht
+
+    cfg = _sync_cfg(record_ttl=20.0)  # claims settle for min(2 s, ttl / 10): room for DHT stores on busy cores
+    first = swarm_factory([0], cfg)
+    initial = first.swarm.visible_maddrs()
+    swarms: list[Swarm] = []
+    try:
+        for _ in range(4):
+            dht = start_dht(initial, LOOPBACK, run_id="test-run", num_experts=MODEL.num_experts,
+                            record_ttl=cfg.record_ttl)
+            swarms.append(Swarm(dht, "test-run", MODEL.num_experts, ttl=cfg.record_ttl))
+        barrier = threading.Barrier(len(swarms))
+
+        def join(swarm: Swarm) -> list[int]:
+            barrier.wait()
+            return swarm.choose_auto(1)
+        with concurrent.futures.ThreadPoolExecutor(len(swarms)) as pool:
+            choices = list(pool.map(join, swarms))
+    finally:
+        for swarm in swarms:
+            swarm.shutdown(withdraw=False)
+    taken = [e for choice in choices for e in choice]
+    assert {1, 2, 3} <= set(taken), choices
+
+
+def test_first_peer_alone_cares_for_every_expert_and_hands_them_over(swarm_factory):
+    """`--experts auto` on the run's first peer: it trains every expert its budget allows, not just its share; a
+    joiner picks among the experts it only takes care of, and it gives those back once they were averaged."""
+    first = swarm_factory([0], auto=True)
+    assert sorted(first.model.owned_experts) == [0, 1, 2, 3]
+    assert first.swarm.peers()[first.swarm.peer_id].caretaking == [1, 2, 3]
+    joiner = swarm_factory([0, 0], auto=True)  # two experts chosen from the records
+    choice = sorted(joiner.model.owned_experts)
+    assert len(choice) == 2 and 0 not in choice, choice  # never the expert the first peer owns for good
+    given_back = []
+    for _ in range(2):
+        reports = _round_all([first, joiner])
+        given_back += reports[0].given_back
+    assert sorted(given_back) == choice
+    remaining = sorted({0, 1, 2, 3} - set(choice))
+    assert sorted(first.model.owned_experts) == remaining
+    assert first.swarm.peers()[first.swarm.peer_id].caretaking == [e for e in remaining if e != 0]
+    assert all(len(owners) == 1 for owners in first.swarm.coverage().values())
+
+
+def test_without_a_swarm_auto_trains_every_expert(tmp_path):
+    from peer.config import load_config, parse_override
+    from peer.train import Trainer
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "configs/tiny.yaml", [parse_override(o) for o in (
+        f"run_dir={tmp_path}", "sync.every=0", "sync.experts=auto")])
+    assert sorted(Trainer(cfg).model.owned_experts) == [0, 1, 2, 3]
+    cfg = load_config(REPO / "configs/tiny.yaml", [parse_override(o) for o in (
+        f"run_dir={tmp_path}", "sync.every=0", "sync.experts=auto", "sync.max_experts_per_peer=3")])
+    assert sorted(Trainer(cfg).model.owned_experts) == [0, 1, 2]
 
 
 def test_nesterov_outer_step_on_the_averaged_pseudo_gradient(swarm_factory):
@@ -377,6 +513,25 @@ def test_slower_peer_joins_the_swarms_round_early_weighted_by_its_tokens(swarm_f
             torch.testing.assert_close(value, mean, rtol=1e-5, atol=1e-6)
 
 
+def test_faster_peer_trains_past_a_due_round_the_others_have_not_started(swarm_factory):
+    """A peer whose previous round still waits for a peer that has not started it keeps training past its next
+    due round (up to every/2 steps) instead of blocking on it; once that round is done, the next one is due."""
+    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0)
+    fast, slow = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([fast, slow])
+    fast.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)  # round 2; slow is still in round 1
+    deadline = time.monotonic() + 10
+    while fast.sync.shared.group_wait() < 2 * fast.sync.progress.poll + 1.5 and time.monotonic() < deadline:
+        time.sleep(0.05)  # waited longer than the records can lag: slow's record still says round 1
+    assert not fast.sync.round_due(10) and not fast.sync.round_due(14), "blocked on a round nobody else started"
+    assert fast.sync.deferred_rounds == 1
+    assert fast.sync.round_due(15), "deferred past every + every/2 steps"
+    slow.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)
+    reports = [p.sync.finish_round(block=True) for p in (fast, slow)]
+    assert [r.group_size for r in reports] == [2, 2], reports
+    assert fast.sync.round_due(10)  # the previous round is applied: nothing to wait for
+
+
 def test_a_lone_liar_cannot_trigger_early_rounds(swarm_factory):
     cfg = _sync_cfg(every=10)
     peers = [swarm_factory([e], cfg) for e in range(4)]
@@ -394,3 +549,57 @@ def test_round_starts_once_every_live_peer_joined_not_after_the_matchmaking_wind
     reports = _round_all(peers)
     assert [r.group_size for r in reports] == [3, 3, 3], reports
     assert time.monotonic() - start < cfg.matchmaking_time / 2, "the group waited for the matchmaking window"
+
+
+def test_sync_state_survives_a_restart(swarm_factory):
+    """Round id, DiLoCo's outer anchor and momentum and the caretaking history go through state_dict into a new
+    SparseSync (a restarted peer, sync/durable.py), and the restored caretaking is in its published record."""
+    cfg = _sync_cfg(outer="nesterov")
+    a = swarm_factory([0], cfg, auto=True)   # alone: owns 0, takes care of 1-3 until others own them
+    b = swarm_factory([1], cfg)
+    for i, peer in enumerate((a, b)):
+        _local_training(peer, seed=70 + i)
+    reports = _round_all([a, b])
+    assert all(r.group_size == 2 for r in reports), reports
+    tensors, meta = a.sync.state_dict()
+    assert meta["round"] == a.sync.round_id >= 1
+    assert any(float(m.abs().sum()) > 0 for m in a.sync.shared.momentum)  # an outer step was taken
+    cared = a.sync.ownership.caretaking
+    assert 2 in cared and 3 in cared, cared
+
+    restarted = swarm_factory(sorted(a.model.owned_experts), cfg, join=False)
+    restarted.sync.load_state_dict(tensors, meta)
+    assert restarted.sync.round_id == a.sync.round_id
+    assert restarted.sync.ownership.caretaking == [e for e in cared if e in a.model.owned_experts]
+    for mine, theirs in zip(restarted.sync.shared.anchor + restarted.sync.shared.momentum,
+                            a.sync.shared.anchor + a.sync.shared.momentum):
+        assert torch.equal(mine, theirs)
+    # Its counter was ahead of the swarm's (say it kept running rounds alone): joining never moves it back.
+    restarted.sync.load_state_dict(tensors, dict(meta, round=meta["round"] + 4))
+    restarted.sync.join(step=0, tokens=0)
+    assert restarted.sync.round_id == a.sync.round_id + 4
+    record = restarted.swarm.peers()[restarted.swarm.peer_id]
+    assert set(record.caretaking) == set(restarted.sync.ownership.caretaking)
+
+
+@pytest.mark.parametrize("damage", ["round", "expert", "peer", "shape", "nan"])
+def test_malformed_sync_state_is_refused_and_changes_nothing(swarm_factory, damage):
+    cfg = _sync_cfg(outer="nesterov")
+    peer = swarm_factory([0, 1], cfg, join=False)
+    tensors, meta = peer.sync.state_dict()
+    meta = dict(meta, round=5, caretaking={"1": ["QmPeer"]})
+    if damage == "round":
+        meta["round"] = -1
+    elif damage == "expert":
+        meta["caretaking"] = {"99": []}
+    elif damage == "peer":
+        meta["last_owners"] = {"0": [7]}
+    elif damage == "shape":
+        tensors = dict(tensors, **{"shared.anchor.0": torch.zeros(3)})
+    else:
+        tensors = dict(tensors, **{"shared.momentum.1": torch.full_like(tensors["shared.momentum.1"], float("nan"))})
+    anchor = [t.clone() for t in peer.sync.shared.anchor]
+    with pytest.raises((KeyError, ValueError, TypeError)):
+        peer.sync.load_state_dict(tensors, meta)
+    assert peer.sync.round_id == 0 and peer.sync.ownership.caretaking == []
+    assert all(torch.equal(x, y) for x, y in zip(anchor, peer.sync.shared.anchor))

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from model.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_model_state
 from model.export import export_run
 from model.model import SpesMoE
+from peer.callbacks import Callback
 from peer.config import load_config, parse_override
 from peer.train import Trainer
 from tests.conftest import REPO, peer_cmd
@@ -53,7 +54,12 @@ def test_resume_continues_the_same_run_exactly(tmp_path):
     straight.run()
 
     interrupted = Trainer(_cfg(tmp_path / "resumed", *sets))
-    interrupted.step_hooks.append(lambda t: t.request_stop() if t.step == 7 else None)
+    class StopAt7(Callback):
+        def post_step(self, trainer: Trainer) -> None:
+            if trainer.step == 7:
+                trainer.request_stop()
+
+    interrupted.add_callback(StopAt7())
     interrupted.run()  # stops after step 7 and writes a checkpoint there
     assert latest_checkpoint(tmp_path / "resumed" / "checkpoints").name == "step_00000007.safetensors"
     resumed = Trainer(_cfg(tmp_path / "resumed", *sets))
@@ -139,6 +145,9 @@ def test_no_arguments_trains_the_default_model_offline(tmp_path):
     proc, err = _interrupt_at_step(peer_cmd(), tmp_path, run_dir, step=10)
     assert proc.returncode == 0, err[-2000:]
     records = _metrics(run_dir)
-    assert len(records[0]["owned_experts"]) == 2  # auto: a quarter of the 8 experts
+    # auto, alone in its run: every expert (a quarter of them, 2, is its share once others join; the rest it only
+    # takes care of), so the export has no expert left at its random init
+    assert records[0]["owned_experts"] == list(range(8)), records[0]
+    assert "alone in the run: training experts [0, 1, 2, 3, 4, 5, 6, 7] of 8" in err, err[-2000:]
     assert records[-1]["loss"] < records[0]["loss"]
     assert latest_checkpoint(run_dir / "checkpoints") is not None

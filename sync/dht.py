@@ -1,0 +1,127 @@
+"""Starting a peer's hivemind DHT node for a run (sync.swarm builds a peer's membership on it).
+
+Every node started here validates the run's records (sync.records.RunRecordValidator); a peer's node also signs
+its own record with its identity key. Start-up failures become a SwarmError with the daemon's own reason, and a
+fixed listen port that is already taken is found before p2pd would silently share it (busy_tcp_port).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import socket
+from typing import Any, Sequence
+
+import hivemind
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+
+from sync.records import RunRecordValidator, ephemeral_identity, load_identity
+from sync.reach import relay_client_options, static_relays_only
+
+
+class SwarmError(RuntimeError):
+    """Could not start or join the swarm; the message names the cause (bad multiaddr, unreachable peer, ...)."""
+
+
+def busy_tcp_port(host_maddrs: Sequence[str | Multiaddr]) -> tuple[int, str] | None:
+    """The first fixed TCP port among `host_maddrs` that something already listens on, with its multiaddr.
+
+    hivemind's p2pd listens with SO_REUSEPORT, so a second node on a taken port would not fail: it would silently
+    share the port. A plain probe bind (SO_REUSEADDR only, as p2pd, so TIME_WAIT sockets of a node restarted on
+    the same port do not count) fails against any listener. Port 0, DNS names and non-TCP addresses are skipped:
+    p2pd reports its own errors for those. There is a short race until p2pd binds.
+    """
+    for text in host_maddrs:
+        maddr = Multiaddr(str(text))
+        names = {p.name for p in maddr.protocols()}
+        if "tcp" not in names or not names & {"ip4", "ip6"}:
+            continue
+        port = int(maddr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if "ip6" in names else socket.AF_INET
+        host = maddr.value_for_protocol("ip6" if family == socket.AF_INET6 else "ip4")
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this machine: p2pd listens on the other addresses or reports it
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # Go listens on tcp6 sockets as v6-only: probe the same way
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return port, str(text)
+                # Anything else (an address not on this machine, ...) is p2pd's to report or to survive.
+    return None
+
+
+def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+              announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *, run_id: str | None = None,
+              num_experts: int = 0, record_ttl: float = 30.0, admission: Any = None,
+              rejects: Any = None, use_auto_relay: bool = False, client_mode: bool = False) -> hivemind.DHT:
+    """Start a peer's DHT node (joining `initial_peers` if given) that signs its own record and validates the
+    run's records (sync.records); SwarmError with the daemon's reason on failure.
+
+    Behind NAT (sync.reach): `use_auto_relay` reserves slots on the initial peers as circuit relays and
+    announces `<initial peer>/p2p-circuit`; `client_mode` makes the DHT a hivemind client (it only makes
+    requests; the averagers built on it follow `dht.client_mode`)."""
+    options: dict[str, Any] = {}
+    if use_auto_relay:
+        options = relay_client_options(initial_peers, announce_maddrs)
+        announce_maddrs = options.pop("announce_maddrs")
+    if client_mode:
+        options["client_mode"] = True
+    return start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=run_id,
+                          num_experts=num_experts, record_ttl=record_ttl, admission=admission, rejects=rejects,
+                          sign=True, **options)
+
+
+def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+                   announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *,
+                   run_id: str | None = None, num_experts: int = 0, record_ttl: float = 30.0,
+                   admission: Any = None, rejects: Any = None, sign: bool = False,
+                   **p2p_options: Any) -> hivemind.DHT:
+    """start_dht with extra hivemind.DHT / P2P.create options (use_relay, use_auto_relay, ...), for callers such
+    as the bootstrap node that expose them; same errors.
+
+    With `run_id`, the node validates the run's records (every node must, or it would store forgeries for
+    others to read); with `sign`, it also signs its own record with its identity key — a peer without
+    `identity_path` gets a fresh identity file, removed once the daemon has read it. `num_experts` 0 accepts
+    any expert index up to 2**16 (a bootstrap node may not know the model).
+    """
+    kwargs: dict[str, Any] = {"initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs), "start": True,
+                              **p2p_options}
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    temp_dir = None
+    if sign and not identity_path:
+        identity_path, temp_dir = ephemeral_identity()
+        kwargs["check_if_identity_free"] = False  # brand new: asking the swarm whether it is taken costs ~5 s
+    if identity_path:
+        kwargs["identity_path"] = identity_path
+    try:
+        if run_id is not None:
+            private_key = None
+            if sign:
+                if not os.path.isfile(identity_path):
+                    P2P.generate_identity(identity_path)  # what hivemind would do; we need the key to sign
+                private_key = load_identity(identity_path)
+            kwargs["record_validators"] = [RunRecordValidator(
+                run_id, num_experts or 2**16, private_key=private_key, record_ttl=record_ttl,
+                admission=admission, rejects=rejects)]
+        # With auto-relay, only the trusted relays are used (sync.reach.static_relays_only says why).
+        with static_relays_only() if kwargs.get("use_auto_relay") else contextlib.nullcontext():
+            return hivemind.DHT(**kwargs)
+    except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
+        reason = " ".join(str(e).split()) or type(e).__name__
+        if "bootstrap" in reason and initial_peers:
+            reason = f"cannot reach any initial peer ({', '.join(initial_peers)}): {reason}"
+        raise SwarmError(reason) from None
+    finally:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,110 @@
+"""Handoff (issue 12): a peer taking over an expert gets the AdamW moments of the peer that trained it, through
+the expert exchange, checked (names, shapes, finite; and that AdamW could have produced them) before use."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.optim import adam_moment_bound, expert_moments, load_expert_moments
+from tests.conftest import sync_cfg
+
+BETAS = (0.9, 0.95)
+
+
+def _adamw(model, steps: int = 3, seed: int = 0) -> torch.optim.AdamW:
+    """A real AdamW over the model's trainable parameters after `steps` steps on random gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=BETAS, foreach=False)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return opt
+
+
+def test_joiner_takes_over_the_moments_of_the_expert_it_takes(swarm_factory):
+    a = swarm_factory([0, 1], sync_cfg())
+    opt_a = _adamw(a.model)
+    a.sync.exchange.moments_provider = lambda e: expert_moments(opt_a, a.model, e)
+    b = swarm_factory([1], sync_cfg(), join=False)
+    b.sync.join(step=0, tokens=0, take_over_moments=True)
+    assert set(b.sync.handed_over) == {1}
+    opt_b = torch.optim.AdamW([p for p in b.model.parameters() if p.requires_grad], betas=BETAS, foreach=False)
+    assert load_expert_moments(opt_b, b.model, 1, b.sync.handed_over[1], BETAS) is None
+    for mine, theirs in zip(b.model.expert_parameters(1), a.model.expert_parameters(1)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt_b.state[mine][key], opt_a.state[theirs][key])
+        assert float(opt_b.state[mine]["step"]) == 3
+    b.model.expert_parameters(1)[0].grad = torch.ones_like(b.model.expert_parameters(1)[0])
+    opt_b.step()  # AdamW continues from them
+
+
+@pytest.mark.parametrize("lie", ["shape", "names", "nan", "not_adamw"])
+def test_hostile_moments_are_refused(swarm_factory, lie):
+    a = swarm_factory([0, 1], sync_cfg())
+    opt_a = _adamw(a.model)
+
+    def lying(expert: int):
+        moments = expert_moments(opt_a, a.model, expert)
+        name = next(k for k in moments if k.endswith(".exp_avg"))
+        if lie == "shape":
+            moments[name] = torch.zeros(3)
+        elif lie == "names":
+            moments["layers.99.gate_up_proj.exp_avg"] = moments.pop(name)
+        elif lie == "nan":
+            moments[name][0] = float("nan")
+        else:  # huge first moment over a tiny second one: a first update far beyond lr per element
+            moments[name] = moments[name.replace(".exp_avg", ".exp_avg_sq")].sqrt() * 100 + 1.0
+        return moments
+    a.sync.exchange.moments_provider = lying
+    b = swarm_factory([1], sync_cfg(), join=False)
+    rejected_before = b.sync.rejects.total()
+    b.sync.join(step=0, tokens=0, take_over_moments=True)
+    if lie != "not_adamw":
+        assert b.sync.handed_over == {} and b.sync.rejects.total() > rejected_before
+        return
+    opt_b = torch.optim.AdamW([p for p in b.model.parameters() if p.requires_grad], betas=BETAS, foreach=False)
+    problem = load_expert_moments(opt_b, b.model, 1, b.sync.handed_over[1], BETAS)
+    assert problem and "no AdamW run produces" in problem
+    assert not opt_b.state  # nothing installed
+
+
+def test_moment_bound_holds_for_adamw():
+    """The bound the receiver checks is one AdamW never exceeds, even on gradients built to approach it."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], betas=BETAS, foreach=False)
+    worst = 0.0
+    for t in range(80):  # growing same-sign gradients maximize |m| / sqrt(v)
+        p.grad = torch.tensor([(BETAS[0] / BETAS[1]) ** (-t / 2)])
+        opt.step()
+        state = opt.state[p]
+        worst = max(worst, float(state["exp_avg"].abs() / state["exp_avg_sq"].sqrt()))
+    assert 1.0 < worst <= adam_moment_bound(*BETAS)
+
+
+@pytest.mark.timeout(240)
+def test_peer_taking_over_a_cared_for_expert_continues_its_adamw_state(tmp_path, caplog):
+    """Real peers: the run's first peer takes care of every expert and trains them; a joiner with --experts auto
+    takes one of them over and starts from the caretaker's AdamW moments, not from zero."""
+    import logging
+
+    from peer.node import PeerNode
+    from tests.test_restart import _tiny
+
+    caplog.set_level(logging.INFO)
+    common = ("sync.every=3", "sync.matchmaking_time=1", "sync.round_timeout=10", "train.checkpoint_every=0",
+              "run_id=handoff")
+    with PeerNode(_tiny(tmp_path / "a", "train.max_steps=4", *common), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as a:
+        a.run()  # its record stays live (heartbeat) and its exchange serves until shutdown
+        assert sorted(a.trainer.model.owned_experts) == [0, 1, 2, 3] and len(a.sync.ownership.caretaking) == 3
+        with PeerNode(_tiny(tmp_path / "b", "train.max_steps=4", *common), initial_peers=a.swarm.visible_maddrs(),
+                      host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as b:
+            (taken,) = b.trainer.model.owned_experts
+            assert taken in a.sync.ownership.caretaking
+            pairs = list(zip(b.trainer.model.expert_parameters(taken), a.trainer.model.expert_parameters(taken)))
+            for mine, theirs in pairs:
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(b.trainer.optimizer.state[mine][key].float(),
+                                       a.trainer.optimizer.state[theirs][key].float()), key
+    assert any(f"optimizer state (AdamW moments) of experts [{taken}]" in r.getMessage() for r in caplog.records)
