@@ -79,20 +79,24 @@ BLOCKED_RE = re.compile(r"sync blocked the training loop ([\d.]+)s of ([\d.]+)s"
 MB = 1e6
 
 
-def _metric_rounds(metrics_path: Path) -> dict[int, tuple[int, int]]:
-    """round id -> (payload bytes sent, received) during that round, from metrics.jsonl deltas."""
-    out: dict[int, tuple[int, int]] = {}
-    last_round, last_sent, last_recv = 0, 0, 0
+def _metric_rounds(metrics_path: Path) -> dict[int, dict[str, int]]:
+    """round id -> payload bytes moved during that round, from metrics.jsonl deltas: "sent" / "received" (all
+    kinds) and per kind ("shared_sent", "expert_received", ...)."""
+    out: dict[int, dict[str, int]] = {}
+    last_round, last = 0, {}
     if not metrics_path.exists():
         return out
     for line in metrics_path.read_text().splitlines():
         rec = json.loads(line)
         if "bytes_sent" not in rec:
             continue
-        sent, recv = sum(rec["bytes_sent"].values()), sum(rec["bytes_received"].values())
+        now = {"sent": sum(rec["bytes_sent"].values()), "received": sum(rec["bytes_received"].values())}
+        for way in ("sent", "received"):
+            for kind, n in rec[f"bytes_{way}"].items():
+                now[f"{kind}_{way}"] = n
         if rec["rounds"] > last_round:
-            out[rec["rounds"]] = (sent - last_sent, recv - last_recv)
-            last_round, last_sent, last_recv = rec["rounds"], sent, recv
+            out[rec["rounds"]] = {k: v - last.get(k, 0) for k, v in now.items()}
+            last_round, last = rec["rounds"], now
     return out
 
 
@@ -109,7 +113,7 @@ def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
     for p in r["peers"]:
         for rd in p["rounds"]:
             by_round.setdefault(rd["round"], []).append(rd)
-    all_ratios, last_ratios, last_group, skews = [], [], [], []
+    all_ratios, last_ratios, last_group, skews, reduce_ratios, copy_ratios = [], [], [], [], [], []
     for rid, rds in sorted(by_round.items()):
         if rid < 2 or len(rds) < 4 or any(rd["group"] < 4 or rd["ratio"] is None or "group" not in rd.get("timing", {})
                                           for rd in rds):
@@ -119,11 +123,18 @@ def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
         last_ratios.append(last["ratio"])
         last_group.append(last["timing"]["group"])
         skews += [rd["timing"]["group"] - last["timing"]["group"] for rd in rds if rd is not last]
+        for rd in rds:
+            ideal = rd.get("phase_ideal_s", {})
+            if ideal.get("shared") and "all-reduce" in rd["timing"]:
+                reduce_ratios.append(rd["timing"]["all-reduce"] / ideal["shared"])
+            if ideal.get("expert") and "experts" in rd["timing"]:
+                copy_ratios.append(rd["timing"]["experts"] / ideal["expert"])
     if not last_ratios:
         return None
     med = statistics.median
     return [" ".join([r["arm"], *r.get("sets", [])]), len(last_ratios), f"{med(all_ratios):.2f}",
-            f"{med(last_ratios):.2f}", f"{med(last_group):.2f}", f"{med(skews):.2f}"]
+            f"{med(last_ratios):.2f}", f"{med(last_group):.2f}", f"{med(skews):.2f}",
+            f"{med(reduce_ratios):.2f}" if reduce_ratios else "-", f"{med(copy_ratios):.2f}" if copy_ratios else "-"]
 
 
 def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict[str, Any]:
@@ -133,14 +144,19 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict
     rounds = []
     for m in ROUND_RE.finditer(log):
         rid = int(m.group(1))
-        sent, recv = by_round.get(rid, (None, None))
+        moved = by_round.get(rid, {})
+        sent, recv = moved.get("sent"), moved.get("received")
         seconds, blocked = float(m.group(6)), float(m.group(7))
         # = max(sent, received) / rate on a symmetric link; per direction on an asymmetric one (the home peer)
         ideal = max(sent / up_bps, recv / down_bps) if sent is not None else None
+        # Each transfer phase against its own bytes' link time: the shared all-reduce, then the expert copies.
+        phase_ideal = {kind: max(moved.get(f"{kind}_sent", 0) / up_bps, moved.get(f"{kind}_received", 0) / down_bps)
+                       for kind in ("shared", "expert")}
         rounds.append({"round": rid, "step": int(m.group(2)), "group": int(m.group(3)),
                        "experts_synced": int(m.group(4)), "missing": m.group(5), "sent": sent, "received": recv,
                        "seconds": seconds, "blocked_s": blocked, "ideal_s": ideal,
-                       "ratio": seconds / ideal if ideal else None, "timing": _timing(m.group(8))})
+                       "ratio": seconds / ideal if ideal else None, "timing": _timing(m.group(8)),
+                       "phase_ideal_s": phase_ideal})
     steps = [int(x) for x in STEP_RE.findall(log)]
     bm = BLOCKED_RE.search(log)
     blocked, wall = (float(bm.group(1)), float(bm.group(2))) if bm else (None, None)
@@ -291,7 +307,8 @@ def tables(results: list[dict[str, Any]]) -> str:
              "wall s", "blocked %", "blocked % w/o final drain"]
     arms = [row for row in (_arm_summary(r) for r in results) if row]
     ahead = ["arm", "rounds (2+, all 4 in one group)", "median ratio, all peers", "median ratio, last arrival",
-             "last arrival's group wait s", "others' wait for it s"]
+             "last arrival's group wait s", "others' wait for it s", "all-reduce phase ÷ its bytes' link time",
+             "expert phase ÷ its bytes' link time"]
     r0 = results[0] if results else {"steps": "?", "every": "?"}
     shape = ", ".join(f"{k.split('.')[1]} {v}" for k, v in SHAPE.items())
     return (f"bench.wan: 4 peers, H = {r0['every']}, {r0['steps']} steps; shape tiny.yaml with {shape}\n\n"

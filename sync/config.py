@@ -58,6 +58,9 @@ class SyncConfig:
     record_ttl: float = 30.0
     # Run a round's network part in the background while training continues (one-round-delayed update).
     overlap: bool = True
+    # Ask for the expert copies once this round's all-reduce group has formed (both transfers share the link)
+    # instead of after the all-reduce (one transfer at a time). docs/DESIGN.md, "Bandwidth-aware rounds".
+    copies_during_allreduce: bool = False
     # A received tensor is refused if its L2 norm exceeds this multiple of the local copy's.
     max_norm_ratio: float = 10.0
     # Robust aggregation (docs/DESIGN.md, "Hostile peers"). "centered_clip": every all-reduce reducer clips each

@@ -41,8 +41,8 @@ _WIRE_BYTES = {"none": 4, "fp16": 2, "8bit": 1}
 class _Fetch:
     """One running fetch of an expert copy from one owner."""
 
-    def __init__(self, future: concurrent.futures.Future, timeout: float, started: float) -> None:
-        self.future, self.timeout, self.started = future, timeout, started
+    def __init__(self, future: concurrent.futures.Future, timeout: float, started: float, round_id: int) -> None:
+        self.future, self.timeout, self.started, self.round_id = future, timeout, started, round_id
         self.finished: float | None = None
         self.late = False  # still running when a later round asked again (a slow owner's uplink)
 
@@ -155,13 +155,14 @@ class ExpertFetching:
                 owners.setdefault(expert, []).append(record.peer_id)
                 key = (expert, record.peer_id)
                 if key in self._inflight:
-                    self._inflight[key].late = True  # from an earlier round: used if done, not waited for
+                    if self._inflight[key].round_id < self.round_id:
+                        self._inflight[key].late = True  # from an earlier round: used if done, not waited for
                     continue
                 timeout = self._fetch_timeout(record.peer_id)
                 # An owner that is behind serves the newest round it has; one round of staleness is expected.
                 future = self.exchange.fetch_async(PeerID.from_base58(record.peer_id), expert, self.round_id,
                                                    timeout=timeout, min_round=min(self.round_id, record.round))
-                fetch = _Fetch(future, timeout, time.monotonic())
+                fetch = _Fetch(future, timeout, time.monotonic(), self.round_id)
                 future.add_done_callback(lambda f, fetch=fetch: fetch.done_at())
                 self._inflight[key] = fetch
         return owners

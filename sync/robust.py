@@ -29,6 +29,20 @@ logger = get_logger(__name__)
 def coordinate_median(x_NP: torch.Tensor) -> torch.Tensor:
     """Coordinate-wise median (the mean of the two middle values for an even count)."""
     n = x_NP.shape[0]
+    # Every reducer runs this on each part of every all-reduce, on the averager's event loop: a sort across the
+    # rows of a 512 KiB part took 7.7 ms of a 12 ms part on one core (the all-reduce waits meanwhile), min/max
+    # networks 0.25 ms. They pick values (no sums, so no cancellation against a peer's 1e30 entries).
+    if n <= 2:
+        return x_NP.mean(0) if n == 2 else x_NP[0].clone()
+    if n == 3:
+        a, b, c = x_NP[0], x_NP[1], x_NP[2]
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    if n == 4:
+        # Sorted pairs (lo1, hi1), (lo2, hi2): the smallest is one of the lows, the largest one of the highs; the
+        # middle two are the larger low and the smaller high.
+        lo1, hi1 = torch.minimum(x_NP[0], x_NP[1]), torch.maximum(x_NP[0], x_NP[1])
+        lo2, hi2 = torch.minimum(x_NP[2], x_NP[3]), torch.maximum(x_NP[2], x_NP[3])
+        return 0.5 * (torch.maximum(lo1, lo2) + torch.minimum(hi1, hi2))
     sorted_NP = torch.sort(x_NP, dim=0).values
     return 0.5 * (sorted_NP[(n - 1) // 2] + sorted_NP[n // 2])
 

@@ -13,7 +13,7 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -279,10 +279,12 @@ class SharedAverager:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
 
-    def all_reduce(self, weight: float, timeout: float, expected: int = 0) -> int:
+    def all_reduce(self, weight: float, timeout: float, expected: int = 0,
+                   on_grouped: Callable[[], None] | None = None) -> int:
         """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed. `expected`:
         the peers (this one included) that should join, as the records show them; with sync.target_group_size 0
-        a group this peer leads starts once that many joined."""
+        a group this peer leads starts once that many joined. `on_grouped` is called (in this thread) once the
+        group has formed and its all-reduce runs."""
         control, self.last_timing = None, {}
         self._set_expected(expected)
         try:
@@ -296,6 +298,11 @@ class SharedAverager:
                 if grouped is None and control.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
                     grouped, received = time.perf_counter(), self.wire.received
                     self._group_seconds = grouped - started
+                    if on_grouped is not None:
+                        try:
+                            on_grouped()
+                        except Exception as e:  # the all-reduce is not this callback's to fail
+                            logger.warning(f"could not start the expert copies early: {e!r}")
                 time.sleep(0.02)
             gathered = control.result(timeout=max(0.0, deadline - time.perf_counter()))
             done = time.perf_counter()

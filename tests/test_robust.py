@@ -12,7 +12,7 @@ from hivemind.utils import get_dht_time
 
 from peer.callbacks import Callback
 from sync.records import peers_key
-from sync.robust import AggregationPolicy, centered_clip, robust_mean
+from sync.robust import AggregationPolicy, centered_clip, coordinate_median, robust_mean
 from sync.swarm import PeerRecord, Swarm, median_round, start_dht
 from sync.validate import RejectCounter
 
@@ -85,6 +85,20 @@ def test_median_round_ignores_one_liar():
     assert median_round(records) == 7
     assert median_round(records[:1] + records[3:]) == 7  # two records: the lower one, never the liar's
     assert median_round([]) is None
+
+
+def test_coordinate_median_small_groups_pick_the_sorted_middle_exactly():
+    """Groups of up to 4 take the median by min/max (no sort): the same values, bit for bit, as the sorted middle,
+    also next to a peer's +-1e30 entries (no sums that could cancel) and with ties."""
+    torch.manual_seed(0)
+    for n in range(1, 7):
+        for _ in range(20):
+            x = torch.randn(n, 500)
+            x[torch.rand(n, 500) < 0.1] = 1e30
+            x[torch.rand(n, 500) < 0.1] = -1e30
+            x[:, :20] = 3.0
+            sorted_x = torch.sort(x, dim=0).values
+            assert torch.equal(coordinate_median(x), 0.5 * (sorted_x[(n - 1) // 2] + sorted_x[n // 2]))
 
 
 def test_centered_clip_is_the_plain_mean_without_outliers():

@@ -49,8 +49,20 @@ def _assert_experts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
         torch.testing.assert_close(a[name].float(), b[name].float(), rtol=1e-6, atol=1e-6)
 
 
-def test_round_averages_shared_and_spreads_owned_experts(swarm_factory):
-    peers = [swarm_factory([0, 1]), swarm_factory([2]), swarm_factory([3])]
+@pytest.mark.parametrize("during", [False, True], ids=["copies-after", "copies-during-allreduce"])
+def test_round_averages_shared_and_spreads_owned_experts(swarm_factory, during):
+    cfg = _sync_cfg(copies_during_allreduce=during)
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
+    # sync.copies_during_allreduce: the all-reduce is given the ask for copies, to make once its group formed
+    # (on loopback a tiny all-reduce may be over before it is polled: then the copies are asked after it).
+    early_asks: list[bool] = []
+    all_reduce = peers[1].sync.shared.all_reduce
+
+    def spy(*args, on_grouped=None, **kwargs):
+        early_asks.append(on_grouped is not None)
+        return all_reduce(*args, on_grouped=on_grouped, **kwargs)
+
+    peers[1].sync.shared.all_reduce = spy
     for i, peer in enumerate(peers):
         _local_training(peer, seed=i)
     shared_before = [_shared(p) for p in peers]
@@ -67,6 +79,8 @@ def test_round_averages_shared_and_spreads_owned_experts(swarm_factory):
             _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
     coverage = peers[0].swarm.coverage()
     assert all(len(owners) == 1 for owners in coverage.values())
+    assert early_asks == [during], early_asks
+    assert all(r.experts_missing == [] for r in reports), reports
 
 
 def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monkeypatch):
