@@ -12,7 +12,9 @@ rules keep ownership from doubling (or vanishing):
 * a peer that sees no other peer at all and cannot reach the run's initial peers is cut off, not alone: it
   adopts nothing (otherwise it would return owning every expert); an expert is adopted only when two rounds'
   reads in a row show it without a live owner, and a read that is visibly incomplete (sync.rounds) is not used,
-  so one failed or partial DHT read (a flaky link, a NAT) cannot make a peer adopt the experts of live peers;
+  so one failed or partial DHT read (a flaky link, a NAT) cannot make a peer adopt the experts of live peers.
+  The exception is a clean leave: the leaver's signed tombstone lists the experts it left (`left`), and the
+  experts it was seen owning are adopted on the first read that shows the tombstone;
 * a caretaker gives an expert back only once a peer owning it for good is seen and the two copies were averaged
   (here, or there: the new owner fetches the caretaker's copy as a co-owner) or that owner was seen the round
   before too, so neither side's training is lost.
@@ -54,7 +56,11 @@ class Ownership:
         peers did not answer: Swarm.reachable, asked by the round's background thread)."""
         owned = set(owned)
         orphaned = set(self.swarm.orphans_to_adopt(owned, self.max_owned, records))
-        adopt, self._orphaned_before = sorted(orphaned & self._orphaned_before), orphaned
+        # A clean leave's signed tombstone is positive evidence, which a partial read cannot fake: its experts
+        # are adopted on this read. Only those the leaver was seen owning (a peer can only give up its own).
+        left = {e for e, peers in self.swarm.left_by().items() if peers & self._last_owners.get(e, set())}
+        adopt = sorted(orphaned & (self._orphaned_before | left))
+        self._orphaned_before = orphaned
         if not adopt:
             return []
         if cut_off:

@@ -55,7 +55,8 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # "Coverage").
 # claims: experts a joiner (owning none yet) means to take (sync.swarm.Swarm.choose_auto).
 # origin: [machine hash, PID] of the publishing process (sync.swarm.process_origin).
-_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin"}
+# left: in a clean leave's tombstone (no experts), the experts the peer owned (sync.ownership adopts them at once).
+_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin", "left"}
 
 
 def peers_key(run_id: str) -> str:
@@ -117,6 +118,8 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
     if not _expert_list(caretaking, num_experts) or not set(caretaking) <= set(experts):
         return False
     if not _expert_list(value.get("claims", []), num_experts):
+        return False
+    if not _expert_list(value.get("left", []), num_experts) or (value.get("left") and experts):
         return False
     origin = value.get("origin", [0, 0])
     if not (isinstance(origin, list) and len(origin) == 2 and isinstance(origin[0], (str, int))

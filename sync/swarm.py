@@ -59,6 +59,9 @@ class PeerRecord:
     # [machine, PID] of the process that publishes it (process_origin): a restarted peer tells its own crashed
     # predecessor's record from a live duplicate at once when both ran on the same machine (live_elsewhere).
     origin: list = field(default_factory=list)
+    # A clean leave's tombstone (experts empty): the experts it owned until then. The peers that saw it own them
+    # adopt them on this one read instead of two (sync.ownership), so a leave is covered within one round.
+    left: list[int] = field(default_factory=list)
 
     def to_value(self) -> dict[str, Any]:
         value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
@@ -77,6 +80,8 @@ class PeerRecord:
             value["claims"] = sorted(self.claims)
         if self.origin:
             value["origin"] = list(self.origin)
+        if self.left and not self.experts:
+            value["left"] = sorted(self.left)
         return value
 
     def room(self, num_experts: int) -> int:
@@ -112,9 +117,14 @@ class PeerRecord:
         origin = value.get("origin", [])
         if origin and not _is_origin(origin):
             return None
+        left = value.get("left", [])
+        if not isinstance(left, list) or not all(type(e) is int and 0 <= e < num_experts for e in left) or (
+                left and experts):
+            return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
                    follows=value.get("follows") is True, budget=budget, caretaking=sorted(set(caretaking)),
-                   finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin))
+                   finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
+                   left=sorted(set(left)))
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:
@@ -199,6 +209,7 @@ class Swarm:
         self._rejoin_lock = threading.Lock()  # the heartbeat and the progress reader both check
         self._finished_experts: set[int] = set()  # see peers() and finish()
         self._claims: dict[str, list[int]] = {}  # other joiners' claims seen by the last read (choose_auto)
+        self._left: dict[int, set[str]] = {}  # expert -> peers whose clean-leave tombstone the last read showed
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -221,7 +232,7 @@ class Swarm:
         # The DHT keeps the value with the latest expiration per subkey, so the tombstone (an empty expert
         # list, which readers skip) must expire later than the record it replaces.
         with self._lock:
-            self.record.experts = []
+            self.record.left, self.record.experts = list(self.record.experts), []
             value = self.record.to_value()
         self._store(value, get_dht_time() + self.ttl + 1.0)
 
@@ -261,6 +272,7 @@ class Swarm:
         revoked = self.revoked() if self.admission is not None else set()
         finished: set[int] = set()
         claims: dict[str, list[int]] = {}
+        left: dict[int, set[str]] = {}
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             expiration = getattr(item, "expiration_time", 0)
@@ -273,13 +285,22 @@ class Swarm:
                 records[subkey] = record
             elif record is not None and record.claims and subkey != self.peer_id:
                 claims[subkey] = record.claims
+            if record is not None and record.left and subkey != self.peer_id:
+                for expert in record.left:
+                    left.setdefault(expert, set()).add(subkey)
         live = set().union(*(r.experts for r in records.values()))
         with self._lock:
             # Remembered beyond the finished record's life: the reads of the round that would adopt the expert
             # come after that record expired. Forgotten once a live peer owns the expert again.
             self._finished_experts = (self._finished_experts | finished) - live
             self._claims = claims
+            self._left = left
         return records
+
+    def left_by(self) -> dict[int, set[str]]:
+        """Expert -> the peers whose clean-leave tombstone, in the last read, says they owned it until they left."""
+        with self._lock:
+            return {e: set(p) for e, p in self._left.items()}
 
     def _own_record(self) -> tuple[float, PeerRecord] | None:
         """(expiration, record) of the run's live record under this peer ID, None if there is none (or a

@@ -291,6 +291,22 @@ def test_dead_peer_does_not_block_and_its_experts_are_adopted(swarm_factory):
     assert all(len(owners) == 1 for owners in coverage.values()), coverage
 
 
+def test_clean_leave_is_covered_on_the_first_round_after_it(swarm_factory):
+    """A peer that leaves cleanly (Ctrl-C / SIGTERM: SparseSync.shutdown) stores a signed tombstone listing the
+    experts it owned: the others adopt them in their very next round (one read, not the two after a death),
+    once, by one peer each."""
+    cfg = _sync_cfg(record_ttl=6.0)
+    a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b, c])
+    c.sync.shutdown()
+    reports = _round_all([a, b])
+    assert all(r.group_size == 2 for r in reports), reports
+    assert sorted(reports[0].adopted + reports[1].adopted) == [2, 3], reports
+    coverage = a.swarm.coverage()
+    assert all(len(owners) == 1 for owners in coverage.values()), coverage
+    assert a.swarm.left_by() == {2: {c.swarm.peer_id}, 3: {c.swarm.peer_id}}
+
+
 def test_finished_peer_leaves_without_making_the_others_adopt_its_experts(swarm_factory, caplog):
     """A peer that completed its fixed-length run marks its record finished when it leaves: the peers still
     running stop counting it but never adopt its experts (nor warn about them) for their last steps,
@@ -360,8 +376,16 @@ def test_record_parsing_refuses_hostile_values():
     from sync.swarm import PeerRecord
     assert PeerRecord.from_value("p", {"experts": [1, 0], "round": 2}, 4).experts == [0, 1]
     for bad in (None, [], {"experts": "0"}, {"experts": [9]}, {"experts": [True]}, {"experts": [0], "round": -1},
-                {"experts": [0], "step": 2**70}, {"experts": list(range(5))}):
+                {"experts": [0], "step": 2**70}, {"experts": list(range(5))},
+                {"experts": [0], "left": [1]}, {"experts": [], "left": [7]}, {"experts": [], "left": "0"}):
         assert PeerRecord.from_value("p", bad, 4) is None, bad
+    # A clean leave's tombstone: no experts, the ones it left; it survives the round trip and the DHT's schema.
+    from sync.records import check_record_payload
+    tombstone = PeerRecord("p", [0, 2])
+    tombstone.left, tombstone.experts = tombstone.experts, []
+    value = tombstone.to_value()
+    assert PeerRecord.from_value("p", value, 4).left == [0, 2] and check_record_payload(value, 4)
+    assert not check_record_payload({**value, "experts": [1]}, 4)
 
 
 def test_least_covered_and_adoption_rules_are_deterministic():
