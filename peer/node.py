@@ -137,8 +137,8 @@ class PeerNode:
             raise
 
     def _load_handed_over(self) -> None:
-        """Install the optimizer moments fetched at join for experts this peer took over (peer/optim.py checks
-        that AdamW could have made them); the others start fresh, as after a death."""
+        """Install the optimizer moments fetched for experts this peer took over, at join or from a leaving owner
+        (peer/optim.py checks that AdamW could have made them); the others start fresh, as after a death."""
         trainer, taken = self.trainer, []
         trainer.follow_ownership()
         betas = (self.cfg.train.beta1, self.cfg.train.beta2)
@@ -210,6 +210,8 @@ class PeerNode:
         start = time.perf_counter()
         self.sync.step_done()  # this step's loss was finite: the round applied before it is kept
         self._log_round(self.sync.finish_round(block=False), trainer)
+        if self.sync.handed_over:  # moments of experts a round just adopted from a leaving peer (sync/leave.py)
+            self._load_handed_over()
         if self.sync.round_due(trainer.step - self._step_at_round):
             self._step_at_round = trainer.step
             if self.dialer is not None:
@@ -219,6 +221,8 @@ class PeerNode:
             self._log_round(self.sync.start_round(trainer.step, trainer.tokens, since), trainer)
             if not self.cfg.sync.overlap:
                 self._log_round(self.sync.finish_round(block=True), trainer)
+                if self.sync.handed_over:
+                    self._load_handed_over()
         self.blocked_seconds += time.perf_counter() - start
 
     def _finish(self, trainer: Trainer) -> None:

@@ -134,8 +134,9 @@ class Applying:
         if not adopt and not back:
             return [], []
         if adopt:
+            with_moments = self._take_left_moments(adopt)  # a leaving owner's moments, fetched as it left
             logger.info(f"adopting experts {adopt}: no live owner; taking care of them until a peer owns them "
-                        f"for good")
+                        f"for good{f' (with the optimizer moments of their leaving owner: {with_moments})' if with_moments else ''}")
         owned = sorted((owned - set(back)) | set(adopt))
         self.model.set_owned_experts(owned)
         for expert in back:

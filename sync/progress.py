@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from hivemind.utils.logging import get_logger
 
@@ -32,6 +33,8 @@ class SwarmProgress:
         self._reads_without_others = 0  # consecutive complete reads showing no other group-joining peer
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Called with every complete read (this thread): sync.leave watches for leaving peers' tombstones.
+        self.on_read: Callable[[dict[str, PeerRecord]], None] | None = None
 
     def start(self) -> None:
         if self._thread is None:
@@ -49,6 +52,8 @@ class SwarmProgress:
                 if self.swarm.peer_id in records:  # a read lacking this peer's own record tells nothing
                     alone = not any(not r.follows for p, r in records.items() if p != self.swarm.peer_id)
                     self._reads_without_others = self._reads_without_others + 1 if alone else 0
+                    if self.on_read is not None:
+                        self.on_read(records)
             except Exception as e:  # a DHT that is restarting or partitioned: keep the last view, try again
                 logger.debug(f"reading peer records failed: {e!r}")
             self._stop.wait(self.poll)

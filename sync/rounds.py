@@ -44,6 +44,7 @@ from sync.applying import Applying
 from sync.durable import Durable
 from sync.replicas import Replicas
 from sync.fetch import ExpertFetching, Snapshot
+from sync.leave import LeaveHandoff
 from sync.merge import merge_alpha, merge_due
 from sync.shared import SharedAverager
 from sync.ownership import Ownership
@@ -80,7 +81,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(ExpertFetching, Applying, Replicas, Durable):
+class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, rejects: RejectCounter | None = None,
@@ -134,8 +135,11 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable):
         self._expert_avg: SharedAverager | None = None
         self._expert_avg_key: tuple[int, ...] = ()
         self._closed_expert_avg_bytes = {"sent": 0, "received": 0}  # replica averagers already shut down
-        # Optimizer moments of experts taken over at join, for the training loop to load (sync/fetch.py).
+        # Optimizer moments of experts taken over at join or from a leaving peer, for the training loop to load
+        # (sync/fetch.py, sync/leave.py).
         self.handed_over: dict[int, dict[str, torch.Tensor]] = {}
+        self._init_leave_handoff()
+        self.progress.on_read = self._watch_leavers
 
     # ---- joining ------------------------------------------------------------------------------------------
 
@@ -464,8 +468,12 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable):
         """Leave cleanly: withdraw the record (`finished`: this peer completed its fixed-length run; its record
         says so and the others do not adopt its experts: Swarm.finish), stop the averager, the exchange and the
         DHT."""
-        closers = [self.progress.stop, self.shared.shutdown, self.exchange.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
-        for closer in closers:
+        had_others = bool(self.progress.others())
+        closers = [self.progress.stop, self.shared.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
+        # A clean leave (not a finished run): tombstone first, then its experts' moments to their adopters, while
+        # the exchange still serves (sync/leave.py), within the stop budget counted from leave_soon().
+        closers += [lambda: self._hand_over_on_leave(had_others, self._leave_at + STOP_GRACE + 1.0)] if not finished else []
+        for closer in closers + [self.exchange.shutdown]:
             try:
                 closer()
             except Exception as e:

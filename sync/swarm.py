@@ -210,6 +210,7 @@ class Swarm:
         self._finished_experts: set[int] = set()  # see peers() and finish()
         self._claims: dict[str, list[int]] = {}  # other joiners' claims seen by the last read (choose_auto)
         self._left: dict[int, set[str]] = {}  # expert -> peers whose clean-leave tombstone the last read showed
+        self.withdrawn = False  # its tombstone is stored (a leaving peer: sync.leave stores it before the rest)
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -235,6 +236,7 @@ class Swarm:
             self.record.left, self.record.experts = list(self.record.experts), []
             value = self.record.to_value()
         self._store(value, get_dht_time() + self.ttl + 1.0)
+        self.withdrawn = True
 
     def finish(self) -> None:
         """Leave after completing a fixed-length run: the record stays, marked finished, for one more ttl. The
@@ -502,13 +504,17 @@ class Swarm:
         self._heartbeat = threading.Thread(target=beat, name="spes-heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def shutdown(self, withdraw: bool = True, finished: bool = False) -> None:
-        """Stop the heartbeat, withdraw the record (unless the DHT is already gone; `finished`: mark it finished
-        instead, see finish()) and stop the DHT node."""
+    def stop_heartbeat(self) -> None:
+        """No more record refreshes (a leaving peer, before its tombstone: a beat after it would revive the record)."""
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
-        if withdraw and self.dht.is_alive():
+
+    def shutdown(self, withdraw: bool = True, finished: bool = False) -> None:
+        """Stop the heartbeat, withdraw the record (unless the DHT is already gone or it was withdrawn already;
+        `finished`: mark it finished instead, see finish()) and stop the DHT node."""
+        self.stop_heartbeat()
+        if withdraw and self.dht.is_alive() and not (self.withdrawn and not finished):
             try:
                 self.finish() if finished else self.withdraw()
             except Exception as e:

@@ -116,6 +116,7 @@ class ExpertExchange:
         self.gate = gate
         # Set by the peer: expert -> its optimizer moments (name -> tensor) if this peer owns it, else None.
         self.moments_provider: Callable[[int], dict[str, torch.Tensor] | None] | None = None
+        self.moments_served: set[int] = set()  # experts whose moments went out whole (a leaver's grace, sync/leave)
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
         self._store: dict[int, dict[int, _Entry]] = {}
@@ -247,6 +248,8 @@ class ExpertExchange:
         if batch:
             yield runtime_pb2.ExpertResponse(tensors=batch)
             self._count("sent", sum(len(p.buffer) for p in batch))
+        if moments:
+            self.moments_served.add(expert)
 
     # ---- fetching ------------------------------------------------------------------------------------------
 

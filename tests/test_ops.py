@@ -124,6 +124,9 @@ def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path):
         assert adopted_after < RECORD_TTL / 2, adopted_after
         wait_for(tmp_path / "peer0" / "metrics.jsonl", r'"owned_experts": \[0, 1, 2, 3\]', [survivor], 60)
         assert match
+        # With the leaver's AdamW moments, served while it left and checked against AdamW's bound on loading.
+        assert "handed the optimizer moments of experts [2, 3]" in text, text[-3000:]
+        wait_for(peer_logs[0], r"took over the optimizer state \(AdamW moments\) of experts \[2, 3\]", [survivor], 30)
         # The survivor's records carry the sync counters the benchmarks read.
         last = json.loads((tmp_path / "peer0" / "metrics.jsonl").read_text().splitlines()[-1])
         assert last["bytes_sent"]["shared"] > 0 and last["bytes_received"]["expert"] > 0, last

@@ -49,20 +49,8 @@ def _assert_experts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
         torch.testing.assert_close(a[name].float(), b[name].float(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("during", [False, True], ids=["copies-after", "copies-during-allreduce"])
-def test_round_averages_shared_and_spreads_owned_experts(swarm_factory, during):
-    cfg = _sync_cfg(copies_during_allreduce=during)
-    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
-    # sync.copies_during_allreduce: the all-reduce is given the ask for copies, to make once its group formed
-    # (on loopback a tiny all-reduce may be over before it is polled: then the copies are asked after it).
-    early_asks: list[bool] = []
-    all_reduce = peers[1].sync.shared.all_reduce
-
-    def spy(*args, on_grouped=None, **kwargs):
-        early_asks.append(on_grouped is not None)
-        return all_reduce(*args, on_grouped=on_grouped, **kwargs)
-
-    peers[1].sync.shared.all_reduce = spy
+def test_round_averages_shared_and_spreads_owned_experts(swarm_factory):
+    peers = [swarm_factory([0, 1]), swarm_factory([2]), swarm_factory([3])]
     for i, peer in enumerate(peers):
         _local_training(peer, seed=i)
     shared_before = [_shared(p) for p in peers]
@@ -79,8 +67,31 @@ def test_round_averages_shared_and_spreads_owned_experts(swarm_factory, during):
             _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
     coverage = peers[0].swarm.coverage()
     assert all(len(owners) == 1 for owners in coverage.values())
-    assert early_asks == [during], early_asks
+
+
+def test_copies_asked_during_the_allreduce_arrive_whole(swarm_factory):
+    """sync.copies_during_allreduce: the all-reduce is given the ask for copies, to make once its group formed
+    (on loopback a tiny all-reduce may be over before it is polled: then they are asked after it, as usual);
+    every copy arrives, once, and is applied as the owner trained it."""
+    cfg = _sync_cfg(copies_during_allreduce=True)
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
+    early_asks: list[bool] = []
+    all_reduce = peers[1].sync.shared.all_reduce
+
+    def spy(*args, on_grouped=None, **kwargs):
+        early_asks.append(on_grouped is not None)
+        return all_reduce(*args, on_grouped=on_grouped, **kwargs)
+
+    peers[1].sync.shared.all_reduce = spy
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=i)
+    experts_before = [_experts(p) for p in peers]
+    reports = _round_all(peers)
+    assert early_asks == [True], early_asks
     assert all(r.experts_missing == [] for r in reports), reports
+    for peer in peers:
+        for expert, owner in {0: 0, 1: 0, 2: 1, 3: 2}.items():
+            _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
 
 
 def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monkeypatch):
@@ -294,17 +305,28 @@ def test_dead_peer_does_not_block_and_its_experts_are_adopted(swarm_factory):
 def test_clean_leave_is_covered_on_the_first_round_after_it(swarm_factory):
     """A peer that leaves cleanly (Ctrl-C / SIGTERM: SparseSync.shutdown) stores a signed tombstone listing the
     experts it owned: the others adopt them in their very next round (one read, not the two after a death),
-    once, by one peer each."""
+    once, by one peer each, and each adopter gets the leaver's optimizer moments of what it adopts (served
+    during the leave's grace, fetched by the adopter's record reader: sync/leave.py)."""
     cfg = _sync_cfg(record_ttl=6.0)
     a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
+    g = torch.Generator().manual_seed(0)
+    moments = {e: {**{f"{n}.{k}": torch.rand(t.shape, generator=g) * 1e-3 for n, t in c.model.expert_tensors(e).items()
+                      for k in ("exp_avg", "exp_avg_sq")}, "step": torch.tensor(7.0)} for e in (2, 3)}
+    c.sync.exchange.moments_provider = lambda e: moments.get(e)  # as peer.node serves the live optimizer's
     _round_all([a, b, c])
     c.sync.shutdown()
+    assert c.sync.exchange.moments_served == {2, 3}  # both went out before it stopped serving
     reports = _round_all([a, b])
     assert all(r.group_size == 2 for r in reports), reports
     assert sorted(reports[0].adopted + reports[1].adopted) == [2, 3], reports
     coverage = a.swarm.coverage()
     assert all(len(owners) == 1 for owners in coverage.values()), coverage
     assert a.swarm.left_by() == {2: {c.swarm.peer_id}, 3: {c.swarm.peer_id}}
+    for peer, report in zip((a, b), reports):
+        assert sorted(peer.sync.handed_over) == sorted(report.adopted)
+        for e in report.adopted:
+            for name, value in moments[e].items():
+                assert torch.equal(peer.sync.handed_over[e][name], value), name
 
 
 def test_finished_peer_leaves_without_making_the_others_adopt_its_experts(swarm_factory, caplog):
