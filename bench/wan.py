@@ -41,7 +41,9 @@ import shutil
 import signal
 import statistics
 import sys
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
@@ -77,6 +79,41 @@ ROUND_RE = re.compile(r"round (\d+) applied at step (\d+): shared group (\d+), e
 STEP_RE = re.compile(r"\] step (\d+)/\d+ \|")
 BLOCKED_RE = re.compile(r"sync blocked the training loop ([\d.]+)s of ([\d.]+)s")
 MB = 1e6
+# hivemind's log line prefix ("Dec 03 02:30:00.123"): when a round line was written, to find its CPU samples.
+STAMP_RE = re.compile(r"(\w{3} \d{2} \d{2}:\d{2}:\d{2}\.\d{3})")
+
+
+class CpuSampler(threading.Thread):
+    """This machine's CPU busy share (all cores, from /proc/stat) every `period` s while an arm runs: 4 peers share
+    the cores, so a round whose transfers are slower than the link while the cores are saturated is CPU-bound
+    here, not network-bound."""
+
+    def __init__(self, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.period, self.samples, self._stop_event = period, [], threading.Event()
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    def run(self) -> None:
+        last = self._read()
+        while not self._stop_event.wait(self.period):
+            now = self._read()
+            total = now[0] - last[0]
+            if total > 0:
+                self.samples.append((time.time(), 1.0 - (now[1] - last[1]) / total))
+            last = now
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def busy(self, t0: float, t1: float) -> Optional[float]:
+        """Mean busy share of the samples that fall in [t0, t1] (None when none do)."""
+        inside = [b for t, b in self.samples if t0 <= t <= t1]
+        return sum(inside) / len(inside) if inside else None
 
 
 def _metric_rounds(metrics_path: Path) -> dict[int, dict[str, int]]:
@@ -105,6 +142,12 @@ def _timing(text: Optional[str]) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"([\w-]+) ([\d.]+)s", text or "")}
 
 
+def _label(r: dict[str, Any]) -> str:
+    """An arm's row label: its name, a public link rate other than the default, its extra settings."""
+    rate = r.get("public_mbit", PUBLIC_MBIT)
+    return " ".join([r["arm"], *([f"@{rate:g}Mbit"] if rate != PUBLIC_MBIT else []), *r.get("sets", [])])
+
+
 def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
     """Per arm, over rounds 2+ that all 4 peers completed in one group: the median ratio of all peers, of the
     peer whose arrival completed the group (the shortest 'group' wait: from its start the round is pure
@@ -114,12 +157,16 @@ def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
         for rd in p["rounds"]:
             by_round.setdefault(rd["round"], []).append(rd)
     all_ratios, last_ratios, last_group, skews, reduce_ratios, copy_ratios = [], [], [], [], [], []
+    busy, use_reduce, use_copies = [], [], []
     for rid, rds in sorted(by_round.items()):
         if rid < 2 or len(rds) < 4 or any(rd["group"] < 4 or rd["ratio"] is None or "group" not in rd.get("timing", {})
                                           for rd in rds):
             continue
         last = min(rds, key=lambda rd: rd["timing"]["group"])
         all_ratios += [rd["ratio"] for rd in rds]
+        busy += [rd["cpu_busy"] for rd in rds if rd.get("cpu_busy") is not None]
+        use_reduce += [rd["link_use"]["all-reduce"] for rd in rds if "all-reduce" in rd.get("link_use", {})]
+        use_copies += [rd["link_use"]["experts"] for rd in rds if "experts" in rd.get("link_use", {})]
         last_ratios.append(last["ratio"])
         last_group.append(last["timing"]["group"])
         skews += [rd["timing"]["group"] - last["timing"]["group"] for rd in rds if rd is not last]
@@ -132,12 +179,68 @@ def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
     if not last_ratios:
         return None
     med = statistics.median
-    return [" ".join([r["arm"], *r.get("sets", [])]), len(last_ratios), f"{med(all_ratios):.2f}",
+    return [_label(r), len(last_ratios), f"{med(all_ratios):.2f}",
             f"{med(last_ratios):.2f}", f"{med(last_group):.2f}", f"{med(skews):.2f}",
-            f"{med(reduce_ratios):.2f}" if reduce_ratios else "-", f"{med(copy_ratios):.2f}" if copy_ratios else "-"]
+            f"{med(reduce_ratios):.2f}" if reduce_ratios else "-", f"{med(copy_ratios):.2f}" if copy_ratios else "-",
+            f"{100 * med(busy):.0f}" if busy else "-",
+            f"{100 * med(use_reduce):.0f}" if use_reduce else "-", f"{100 * med(use_copies):.0f}" if use_copies else "-"]
 
 
-def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict[str, Any]:
+# Runs inside the hub namespace: every hub-side veth's byte counters every 50 ms. A hub-side device's rx is its
+# node's upload, its tx the node's download (sysfs under `ip netns exec` shows the namespace's devices).
+_LINK_SAMPLER = """
+import sys, time
+devs, out = sys.argv[2:], open(sys.argv[1], "w", buffering=1)
+def read(dev, what):
+    with open(f"/sys/class/net/{dev}/statistics/{what}_bytes") as f:
+        return f.read().strip()
+while True:
+    out.write(f"{time.time():.3f} " + " ".join(f"{read(d, 'rx')} {read(d, 'tx')}" for d in devs) + "\\n")
+    time.sleep(0.05)
+"""
+
+
+class LinkSampler:
+    """Each peer's upload and download bytes every 50 ms, read on the hub's side of its access link, to show
+    when in a round a link carried less than its rate (idle gaps between or inside transfer phases)."""
+
+    def __init__(self, lab, names: list[str], path: Path):
+        from tests.netlab import NsProcess
+
+        self.names, self.path = names, path
+        devs = [lab.nodes[n].link.hub_dev for n in names]
+        self.proc = NsProcess([sys.executable, "-c", _LINK_SAMPLER, str(path), *devs], lab.hub,
+                              path.with_suffix(".log"))
+
+    def stop(self) -> None:
+        self.proc.kill(grace=1.0)
+
+    def utilization(self, name: str, t0: float, t1: float, up_bps: float, down_bps: float) -> Optional[float]:
+        """Bytes moved in [t0, t1] over the busier direction ÷ what its link could move in that time."""
+        i = self.names.index(name)
+        rows = []
+        for line in self.path.read_text().splitlines():
+            f = line.split()
+            if len(f) == 1 + 2 * len(self.names):
+                rows.append((float(f[0]), int(f[1 + 2 * i]), int(f[2 + 2 * i])))
+        inside = [r for r in rows if t0 <= r[0] <= t1]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        (ta, up_a, down_a), (tb, up_b, down_b) = inside[0], inside[-1]
+        return max((up_b - up_a) / up_bps, (down_b - down_a) / down_bps) / (tb - ta)
+
+
+def _line_time(log: str, pos: int) -> Optional[float]:
+    """Epoch seconds of the log line around `pos` (hivemind's prefix has no year: this year's)."""
+    m = STAMP_RE.match(log, log.rfind("\n", 0, pos) + 1)
+    if not m:
+        return None
+    stamp = datetime.strptime(f"{datetime.now().year} {m.group(1)}", "%Y %b %d %H:%M:%S.%f")
+    return stamp.timestamp()
+
+
+def _peer_result(name: str, proc, run_dir: Path, up: float, down: float,
+                 cpu: Optional[CpuSampler] = None, links: Optional[LinkSampler] = None) -> dict[str, Any]:
     log = proc.log_path.read_text(errors="replace")
     by_round = _metric_rounds(run_dir / "metrics.jsonl")
     up_bps, down_bps = up * 1e6 / 8, down * 1e6 / 8  # bytes/s
@@ -152,10 +255,22 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float) -> dict
         # Each transfer phase against its own bytes' link time: the shared all-reduce, then the expert copies.
         phase_ideal = {kind: max(moved.get(f"{kind}_sent", 0) / up_bps, moved.get(f"{kind}_received", 0) / down_bps)
                        for kind in ("shared", "expert")}
-        rounds.append({"round": rid, "step": int(m.group(2)), "group": int(m.group(3)),
+        end = _line_time(log, m.start())
+        cpu_busy = cpu.busy(end - seconds, end) if cpu is not None and end is not None else None
+        timing = _timing(m.group(8))
+        # Link use per transfer phase: the round line's phases follow each other and end at the line's time.
+        use: dict[str, float] = {}
+        if links is not None and end is not None and timing:
+            t = end - sum(timing.values())
+            for phase, dur in timing.items():
+                u = links.utilization(name, t, t + dur, up_bps, down_bps) if dur >= 0.3 else None
+                if u is not None:
+                    use[phase] = u
+                t += dur
+        rounds.append({"round": rid, "step": int(m.group(2)), "group": int(m.group(3)), "cpu_busy": cpu_busy,
                        "experts_synced": int(m.group(4)), "missing": m.group(5), "sent": sent, "received": recv,
                        "seconds": seconds, "blocked_s": blocked, "ideal_s": ideal,
-                       "ratio": seconds / ideal if ideal else None, "timing": _timing(m.group(8)),
+                       "ratio": seconds / ideal if ideal else None, "timing": timing, "link_use": use,
                        "phase_ideal_s": phase_ideal})
     steps = [int(x) for x in STEP_RE.findall(log)]
     bm = BLOCKED_RE.search(log)
@@ -216,6 +331,9 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
                 quota = CpuQuota(f"spes-wan-slow-{lab.lab_id}", slow_cores)
                 quota.add(procs[name].pid)  # before it forks its DHT and averager: they inherit the limit
         deadline = time.monotonic() + timeout
+        cpu = CpuSampler()
+        cpu.start()
+        link_sampler = LinkSampler(lab, list(links), lab.workdir / "links.txt")
         try:
             for name, proc in procs.items():
                 if quota is not None and name == "p3":
@@ -227,16 +345,18 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
                     logger.warning(f"{arm}: peer {name} still running after {timeout:.0f}s; killing it\n"
                                    f"{proc.log_tail(15)}")
         finally:
+            cpu.stop()
+            link_sampler.stop()
             if quota is not None:
                 quota.close()
-        peers = [_peer_result(name, proc, lab.workdir / f"run-{name}", *links[name])
+        peers = [_peer_result(name, proc, lab.workdir / f"run-{name}", *links[name], cpu=cpu, links=link_sampler)
                  for name, proc in procs.items()]
         for p, (name, proc) in zip(peers, procs.items()):
             if p["rc"] != 0:
                 logger.warning(f"{arm}: peer {name} rc={p['rc']}:\n{proc.log_tail(20)}")
     if spec.get("slow_cores"):
         spec = {**spec, "slow_cores": slow_cores}
-    return {"arm": arm, **spec, "steps": steps, "every": every, "sets": extra_sets or [],
+    return {"arm": arm, **spec, "steps": steps, "every": every, "sets": extra_sets or [], "public_mbit": public_mbit,
             "seconds": time.monotonic() - t0, "peers": peers}
 
 
@@ -284,7 +404,7 @@ def _fmt(x: Optional[float], spec: str) -> str:
 def tables(results: list[dict[str, Any]]) -> str:
     rows, summary = [], []
     for r in results:
-        label = " ".join([r["arm"], *r.get("sets", [])])
+        label = _label(r)
         for p in r["peers"]:
             link = f"{p['down_mbit']:g}↓/{p['up_mbit']:g}↑"
             for rd in p["rounds"]:
@@ -308,7 +428,8 @@ def tables(results: list[dict[str, Any]]) -> str:
     arms = [row for row in (_arm_summary(r) for r in results) if row]
     ahead = ["arm", "rounds (2+, all 4 in one group)", "median ratio, all peers", "median ratio, last arrival",
              "last arrival's group wait s", "others' wait for it s", "all-reduce phase ÷ its bytes' link time",
-             "expert phase ÷ its bytes' link time"]
+             "expert phase ÷ its bytes' link time", "CPU busy during rounds %",
+             "link use in all-reduce %", "link use in expert phase %"]
     r0 = results[0] if results else {"steps": "?", "every": "?"}
     shape = ", ".join(f"{k.split('.')[1]} {v}" for k, v in SHAPE.items())
     return (f"bench.wan: 4 peers, H = {r0['every']}, {r0['steps']} steps; shape tiny.yaml with {shape}\n\n"

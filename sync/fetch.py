@@ -182,8 +182,37 @@ class ExpertFetching:
         seconds = self._owner_seconds
         waiting = [self._inflight[(e, p)].future for e, peers in owners.items() for p in peers
                    if (e, p) in self._inflight and not self._inflight[(e, p)].late and seconds.get(p, 0.0) <= left]
-        concurrent.futures.wait(waiting, timeout=max(0.0, left))
         received: dict[int, list[tuple[int, Snapshot]]] = {}
+        # Each copy is checked as soon as it arrives, while the others still stream in: checking them all after
+        # the last one arrived added 0.1-0.3 s to every round on 2 shared cores.
+        while True:
+            self._check_arrived(owners, own_snapshots, rel_change, received)
+            pending = [f for f in waiting if not f.done()]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            concurrent.futures.wait(pending, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
+        self._check_arrived(owners, own_snapshots, rel_change, received)
+        means = {}
+        for expert, copies in received.items():
+            # Only the newest copies count (a slow owner's late copy of an earlier round is used alone only when
+            # nothing newer arrived); a co-owner's copy more than one round old is not averaged with this round's.
+            newest = max(r for r, _ in copies)
+            if expert in own_snapshots and newest < self.round_id - 1:
+                continue
+            tensors_list = ([own_snapshots[expert]] if expert in own_snapshots else []) + [t for r, t in copies
+                                                                                           if r == newest]
+            names = list(tensors_list[-1])
+            if len(tensors_list) >= 3:
+                means[expert] = robust_mean(tensors_list, self.cfg.clip_factor)
+            else:
+                means[expert] = {n: torch.stack([c[n].float() for c in tensors_list]).mean(dim=0) for n in names}
+        return means
+
+    def _check_arrived(self, owners: dict[int, list[str]], own_snapshots: dict[int, Snapshot],
+                       rel_change: float | None, received: dict[int, list[tuple[int, Snapshot]]]) -> None:
+        """Take every finished fetch (late ones of earlier rounds included) out of flight, note how its owner
+        served, and file each valid copy of a wanted expert under `received` as (round served, tensors)."""
         for key in [k for k, f in self._inflight.items() if f.future.done()]:
             expert, peer_id = key
             fetch = self._inflight.pop(key)
@@ -206,21 +235,6 @@ class ExpertFetching:
                 logger.warning(f"refused expert {expert} from peer ...{peer_id[-6:]}: {reason}")
                 continue
             received.setdefault(expert, []).append((getattr(copy, "round", self.round_id), tensors))
-        means = {}
-        for expert, copies in received.items():
-            # Only the newest copies count (a slow owner's late copy of an earlier round is used alone only when
-            # nothing newer arrived); a co-owner's copy more than one round old is not averaged with this round's.
-            newest = max(r for r, _ in copies)
-            if expert in own_snapshots and newest < self.round_id - 1:
-                continue
-            tensors_list = ([own_snapshots[expert]] if expert in own_snapshots else []) + [t for r, t in copies
-                                                                                           if r == newest]
-            names = list(tensors_list[-1])
-            if len(tensors_list) >= 3:
-                means[expert] = robust_mean(tensors_list, self.cfg.clip_factor)
-            else:
-                means[expert] = {n: torch.stack([c[n].float() for c in tensors_list]).mean(dim=0) for n in names}
-        return means
 
     def _expert_grace(self, owners: dict[int, list[str]], own: dict[int, Snapshot]) -> float:
         """Seconds to wait for this round's expert copies: twice what their bytes take at the rate this peer's

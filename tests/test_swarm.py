@@ -94,6 +94,48 @@ def test_copies_asked_during_the_allreduce_arrive_whole(swarm_factory):
             _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
 
 
+def test_copies_are_asked_right_after_the_allreduce_and_once(swarm_factory):
+    """The copies of experts owned elsewhere are asked for as soon as the all-reduce returned, from the owners
+    the round's start read showed, before the records read that follows it (a peer that asks late gets the
+    owners' uplinks last); the ask after that read does not ask any owner twice."""
+    peers = [swarm_factory([0, 1]), swarm_factory([2]), swarm_factory([3])]
+    sync = peers[1].sync
+    events: list[tuple[str, object]] = []
+    reduced = threading.Event()
+    all_reduce, peers_read, fetch_async = sync.shared.all_reduce, sync.swarm.peers, sync.exchange.fetch_async
+
+    reducer: list[threading.Thread] = []  # the round's network thread
+
+    def reduce_spy(*args, **kwargs):
+        reducer.append(threading.current_thread())
+        result = all_reduce(*args, **kwargs)
+        reduced.set()
+        return result
+
+    def read_spy(*args, **kwargs):
+        if reduced.is_set() and threading.current_thread() is reducer[0]:
+            events.append(("read", None))
+        return peers_read(*args, **kwargs)
+
+    def fetch_spy(peer, expert, *args, **kwargs):
+        events.append(("fetch", (expert, str(peer))))
+        return fetch_async(peer, expert, *args, **kwargs)
+
+    sync.shared.all_reduce = reduce_spy
+    sync.swarm.peers, sync.exchange.fetch_async = read_spy, fetch_spy
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=i)
+    experts_before = [_experts(p) for p in peers]
+    reports = _round_all(peers)
+    assert reports[1].experts_missing == [], reports
+    fetches = [what for kind, what in events if kind == "fetch"]
+    assert sorted(e for e, _ in fetches) == [0, 1, 3], events  # each expert owned elsewhere, asked once
+    assert len(set(fetches)) == len(fetches), events
+    assert events.index(("read", None)) == len(fetches), events  # all asked before the read after the all-reduce
+    for expert, owner in {0: 0, 1: 0, 3: 2}.items():
+        _assert_experts_equal(_experts(peers[1])[expert], experts_before[owner][expert])
+
+
 def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monkeypatch):
     """A slow owner's expert copy does not hold the round up: the fetcher applies what arrived by its deadline,
     keeps the slow transfer running (never asking twice) and applies the copy in a later round; while that
@@ -104,8 +146,9 @@ def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monk
 
     async def slow_serve(uid, metadata=b""):
         served.append(uid)
-        if len(served) == 1:
-            await asyncio.sleep(8.0)  # the first copy crawls through a slow uplink
+        # The first copy crawls through a slow uplink; the second (round 3) takes 1 s: quick, but after its round (which
+        # does not wait for this owner any more) is over, even though that round asked before reading records.
+        await asyncio.sleep({1: 8.0, 2: 1.0}.get(len(served), 0.0))
         async for message in original(uid, metadata):
             yield message
 
@@ -130,7 +173,7 @@ def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monk
     assert reports[0].experts_missing == [3], reports[0]  # its last copy took 8 s
     assert time.monotonic() - started < 2.0, "waited for an owner whose last copy took 8 s"
     round3_copy = _experts(slow)[3]
-    time.sleep(1.0)  # quick this time: it arrives right after the round
+    time.sleep(2.0)  # quick this time: it arrives right after the round
     assert served[-1] == "3@3", served
     _local_training(fast, seed=10)  # (a round's own change is the yardstick of the copies' change)
     _local_training(slow, seed=11)
