@@ -17,6 +17,9 @@ one ``{"re": OP, ...}`` line (see `NsProcess.request`):
   addresses of the resulting connection;
 * ``call {peer, timeout}``: open ``netlab.echo`` on a peer *by its ID only* and round-trip a message;
 * ``pull {peer, nbytes, timeout}``: fetch ``nbytes`` from the peer's ``netlab.source``, report seconds and Mbit/s;
+* ``pullmany {peers, nbytes, timeout}``: fetch ``nbytes`` from each listed peer at once (one stream per entry: list a
+  peer twice for two streams), report each stream's seconds and the total (requests are answered one at a time,
+  so concurrent transfers of one agent need this op);
 * ``quit``.
 
 ``--daemon-args '{"relayDiscovery": false}'`` appends raw p2pd flags that hivemind.P2P.create does not expose
@@ -174,6 +177,25 @@ async def visible(p2p: P2P) -> list[str]:
     return [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
 
 
+async def _pull(p2p: P2P, peer: PeerID, nbytes: int) -> tuple[float, float, int]:
+    """Fetch `nbytes` from `peer`'s netlab.source: (seconds to open the stream, seconds to transfer, bytes got)."""
+    t_open = time.monotonic()
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, "netlab.source")
+    try:
+        t0 = time.monotonic()  # transfer time excludes opening the stream (a dial, maybe a relay hop)
+        writer.write(nbytes.to_bytes(8, "big"))
+        await writer.drain()
+        got = 0
+        while got < nbytes:
+            chunk = await reader.read(1 << 20)
+            if not chunk:
+                break
+            got += len(chunk)
+        return t0 - t_open, time.monotonic() - t0, got
+    finally:
+        writer.close()
+
+
 async def handle(p2p: P2P, req: dict) -> dict:
     op = req["op"]
     if op == "info":
@@ -230,30 +252,22 @@ async def handle(p2p: P2P, req: dict) -> dict:
         except Exception as e:
             return {"ok": False, "seconds": round(time.monotonic() - t0, 3), "error": f"{type(e).__name__}: {e}"}
     if op == "pull":
-        peer = PeerID.from_base58(req["peer"])
         nbytes = int(req["nbytes"])
-
-        async def pull() -> tuple[float, float, int]:
-            t_open = time.monotonic()
-            _, reader, writer = await p2p.call_binary_stream_handler(peer, "netlab.source")
-            try:
-                t0 = time.monotonic()  # transfer time excludes opening the stream (a dial, maybe a relay hop)
-                writer.write(nbytes.to_bytes(8, "big"))
-                await writer.drain()
-                got = 0
-                while got < nbytes:
-                    chunk = await reader.read(1 << 20)
-                    if not chunk:
-                        break
-                    got += len(chunk)
-                return t0 - t_open, time.monotonic() - t0, got
-            finally:
-                writer.close()
-
         try:
-            t_open, seconds, got = await asyncio.wait_for(pull(), float(req.get("timeout", 60)))
+            t_open, seconds, got = await asyncio.wait_for(_pull(p2p, PeerID.from_base58(req["peer"]), nbytes),
+                                                          float(req.get("timeout", 60)))
             return {"ok": got == nbytes, "bytes": got, "open_seconds": round(t_open, 3),
                     "seconds": round(seconds, 3), "mbit_s": round(got * 8 / seconds / 1e6, 2)}
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    if op == "pullmany":
+        nbytes = int(req["nbytes"])
+        t0 = time.monotonic()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(
+                *(_pull(p2p, PeerID.from_base58(peer), nbytes) for peer in req["peers"])), float(req.get("timeout", 60)))
+            return {"ok": all(got == nbytes for _, _, got in results), "total_seconds": round(time.monotonic() - t0, 3),
+                    "seconds": [round(t_open + seconds, 3) for t_open, seconds, _ in results]}
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     raise ValueError(f"unknown op {op!r}")
