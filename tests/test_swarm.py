@@ -372,6 +372,22 @@ def test_clean_leave_is_covered_on_the_first_round_after_it(swarm_factory):
                 assert torch.equal(peer.sync.handed_over[e][name], value), name
 
 
+def test_a_stopping_peer_adopts_nothing_from_another_that_left(swarm_factory):
+    """Two peers stopped at once: one's tombstone reaches the other in its last round, which must not adopt
+    the leaver's experts (it would leave owning them, its final checkpoint and record claiming them); a peer
+    that stays still does."""
+    cfg = _sync_cfg(record_ttl=6.0)
+    a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b, c])
+    c.sync.shutdown()
+    for peer in (a, b):
+        peer.sync.start_round(step=1, tokens=100, tokens_since_last=100)
+    b.sync.leave_soon()  # b is stopping too: its pending round still ends and is applied, its ownership stays
+    reports = [peer.sync.finish_round(block=True) for peer in (a, b)]
+    assert reports[1].adopted == [] and set(b.model.owned_experts) == {1}, reports[1]
+    assert reports[0].adopted == [2, 3], reports[0]  # a stays (budget 2 each: it has room for both)
+
+
 def test_finished_peer_leaves_without_making_the_others_adopt_its_experts(swarm_factory, caplog):
     """A peer that completed its fixed-length run marks its record finished when it leaves: the peers still
     running stop counting it but never adopt its experts (nor warn about them) for their last steps,
