@@ -24,6 +24,7 @@ class RoundReport:
     given_back: list[int] = field(default_factory=list)  # adopted experts returned to their owner (it is back)
     cut_off: bool = False               # saw no other peer, and the run's initial peers did not answer
     redownloaded: bool = False
+    reading_seconds: float = 0.0        # the records read after the all-reduce (inside the expert phase's time)
     merge_alpha: float = 0.0            # > 0 when this round applied the expert-merging warm-up
     seconds: float = 0.0                # wall time from start to apply
     # Where the round's wall time went (seconds): snapshot + publish, group forming and all-reduce of the shared

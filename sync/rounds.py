@@ -328,6 +328,10 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff):
         copies_started = time.perf_counter()
         # Read the records after the all-reduce: by then every peer of the group has published this round.
         records = self.swarm.peers()
+        # The read runs while the copies stream in and counts in the expert phase's time, but it is no transfer:
+        # round_due's "transfers took longer than it trained since" must not count it (on a peer slow on CPU it
+        # took 0.3-0.7 s, and the peer then joined the fast peers' rounds late, missing their groups).
+        report.reading_seconds = time.perf_counter() - copies_started
         others = self._others(records)
         if ((self.model.owned_experts and self.swarm.peer_id not in records) or len(others) + 1 < report.group_size
                 or (not others and report.peers_seen > 1)):
@@ -421,6 +425,8 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff):
         report.blocked_seconds = now - wait_start
         report.seconds = now - pending.started
         transfers = sum(report.timing.get(k, 0.0) for k in ("all-reduce", "experts", "download"))
+        if "experts" in report.timing:
+            transfers -= report.reading_seconds  # inside the expert phase's time, but no transfer
         self._last_transfer_seconds, self._last_applied_at = transfers, time.monotonic()
         return report
 
