@@ -56,6 +56,12 @@ class Arm:
     peers: int
     experts: list[str]                       # --experts for each peer
     overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0                            # train.seed: the initial model and every peer's data order
+
+    @property
+    def key(self) -> str:
+        """Run directory and result key: the name, with the seed unless it is 0 (older results had none)."""
+        return self.name if self.seed == 0 else f"{self.name}-s{self.seed}"
 
 
 def _split(num_experts: int, peers: int, replication: int) -> list[str]:
@@ -78,6 +84,9 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
     merge_on = {"sync": {"merge": merge_settings(0.05, steps, every, topk)}}
     merge_off = {"sync": {"merge": merge_settings(0.0, steps, every, topk)}}
     spes = _split(E, peers, 1)
+    # The bigger MoE of the equal-memory pair: twice the experts (same per-token compute with top-k routing),
+    # no merge warm-up (it did not help at any alpha0 here); each peer owns a quarter of them.
+    big = {"model": {"num_experts": 2 * E}, "sync": {"merge": merge_settings(0.0, steps, every, max(1, E // 2))}}
     catalog = {
         "centralized": lambda: Arm("centralized", "centralized (1 peer, global batch)", 1, ["all"],
                                    {"sync": {"every": 0}}),
@@ -89,6 +98,9 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
         "spes_repl2": lambda: Arm("spes_repl2", "SPES, replication 2", peers, _split(E, peers, 2), merge_on),
         "spes_decayedlb": lambda: Arm("spes_decayedlb", "SPES + decayed LB loss", peers, spes,
                                       _deep_merge(merge_on, {"train": {"decayed_lb": True}})),
+        "spes_big": lambda: Arm("spes_big", f"SPES, no merge, {2 * E} experts", peers, _split(2 * E, peers, 1), big),
+        # Resolved in main() by measuring memory (bench/fit.py): DiLoCo on the largest MoE that fits spes_big's peer.
+        "diloco_eqmem": lambda: Arm("diloco_eqmem", "DiLoCo at SPES-big's memory", peers, ["all"] * peers, merge_off),
     }
     arms = []
     for name in names:
@@ -127,7 +139,7 @@ def arm_config(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
         "run_id": f"bench-{arm.name.replace('.', 'p')}",  # run ids may not contain dots (DHT keys)
         "model": dict(scale["model"], vocab_size=320, top_k=2, frozen_expert_dtype="bfloat16"),
         "train": {"batch_size": batch, "lr": 0.003, "warmup_steps": max(1, scale["steps"] // 10),
-                  "max_steps": scale["steps"], "seed": 0, "log_every": scale["every"],
+                  "max_steps": scale["steps"], "seed": arm.seed, "log_every": scale["every"],
                   "eval_every": scale["every"], "eval_batches": max(1, scale["eval_blocks"] // batch),
                   "checkpoint_every": 0},
         "data": {"dataset": "builtin", "tokenizer": "builtin"},
@@ -138,6 +150,51 @@ def arm_config(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
                  "wait_for_peers": peers},  # nobody trains (and syncs alone) before all peers are there
     }
     return _deep_merge(cfg, arm.overrides)
+
+
+def resolve_equal_memory(arms: list[Arm], scale: dict[str, Any], peers: int,
+                         cached: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Give `diloco_eqmem` its model: the most experts for which a DiLoCo peer (owning all) peaks within the
+    model memory a `spes_big` peer measured (bench/fit.py; both at the arm's batch and sequence length)."""
+    from bench.fit import largest_fitting, measure
+
+    eq = [a for a in arms if a.name == "diloco_eqmem"]
+    if not eq:
+        return cached
+    if cached is not None:
+        for arm in eq:
+            arm.overrides = _deep_merge(arm.overrides, {"model": {"num_experts": cached["diloco_experts"]}})
+            arm.label = f"DiLoCo, {cached['diloco_experts']} experts (SPES-big's memory)"
+        return cached
+    big = build_arms(["spes_big"], scale, peers, [])[0]
+    budget = measure(arm_config(big, scale, peers), big.experts[0])
+    top_k = arm_config(big, scale, peers)["model"]["top_k"]
+
+    def cfg_for(E: int) -> dict[str, Any]:
+        return arm_config(Arm("fit", "", peers, ["all"] * peers, {"model": {"num_experts": E}}), scale, peers)
+
+    E, seen = largest_fitting(cfg_for, budget["model_peak"], top_k, 2 * scale["model"]["num_experts"])
+    for arm in eq:
+        arm.overrides = _deep_merge(arm.overrides, {"model": {"num_experts": E}})
+        arm.label = f"DiLoCo, {E} experts (SPES-big's memory)"
+    logger.info(f"equal memory: a spes_big peer needs {budget['model_peak'] / 2**20:.0f} MiB; DiLoCo fits {E} experts")
+    return {"spes_big_peak": budget["model_peak"], "diloco_experts": E,
+            "measured": {str(k): v["model_peak"] for k, v in sorted(seen.items())}}
+
+
+_PEAKS: dict[str, dict[str, Any]] = {}
+
+
+def peer_memory(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
+    """bench/fit.py's model memory of the arm's first peer (the seed and run id do not change it: cached)."""
+    from bench.fit import measure
+
+    cfg = arm_config(arm, scale, peers)
+    cfg["run_id"], cfg["train"]["seed"] = "fit", 0
+    key = json.dumps([cfg, arm.experts[0]], sort_keys=True)
+    if key not in _PEAKS:
+        _PEAKS[key] = measure(cfg, arm.experts[0])
+    return _PEAKS[key]
 
 
 def _start_bootstrap(log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -194,7 +251,8 @@ def _wait_rusage(procs: list[subprocess.Popen], timeout: float) -> list[dict[str
 
 def run_arm(arm: Arm, scale: dict[str, Any], peers: int, out: Path, timeout: float) -> dict[str, Any]:
     """Run one arm to the end; returns its curves and costs."""
-    arm_dir = out / arm.name
+    arm_dir = out / arm.key
+    memory = peer_memory(arm, scale, peers)
     shutil.rmtree(arm_dir, ignore_errors=True)
     arm_dir.mkdir(parents=True)
     cfg_path = arm_dir / "config.yaml"
@@ -226,7 +284,10 @@ def run_arm(arm: Arm, scale: dict[str, Any], peers: int, out: Path, timeout: flo
     if failed:
         tail = (arm_dir / f"peer{failed[0]}.log").read_text()[-1500:]
         raise RuntimeError(f"arm {arm.name}: peer(s) {failed} exited non-zero:\n{tail}")
-    return summarize(arm, arm_dir, started, wall, usage)
+    result = summarize(arm, arm_dir, started, wall, usage)
+    result.update(seed=arm.seed, key=arm.key, model_peak=memory["model_peak"], params_total=memory["params_total"],
+                  num_experts=memory["num_experts"])
+    return result
 
 
 def summarize(arm: Arm, arm_dir: Path, started: float, wall: float, usage: list[dict[str, float]]) -> dict[str, Any]:
@@ -270,20 +331,37 @@ def loss_at(curve: list[dict], fraction: float) -> float | None:
     return inside[-1]["eval_loss"] if inside else None
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    central = next((r for r in results if r["arm"] == "centralized"), None)
-    ref = loss_at(central["curve"], 1.0) if central else None
-    rows = []
+    """One row per arm; an arm run with several seeds shows their mean and spread (max - min) at 100 %."""
+    by_arm: dict[str, list[dict[str, Any]]] = {}
     for r in results:
-        losses = [loss_at(r["curve"], f) for f in (0.25, 0.5, 1.0)]
-        final = losses[-1]
-        rows.append([r["label"], *(f"{l:.4f}" if l is not None else "-" for l in losses),
-                     f"{final / ref:.3f}" if (ref and final) else "-", f"{r['wall_s']:.0f}", f"{r['cpu_s']:.0f}",
-                     f"{r['peak_rss'] / 2**20:.0f}",
-                     f"{r['bytes_per_peer'] / 2**20:.1f}" if r["bytes_per_peer"] is not None else "-",
-                     f"{r['min_group']}/{r['peers']}" if r["min_group"] is not None else "-"])
-    return format_table(["arm", "loss@25%", "loss@50%", "loss@100%", "÷ central", "wall s", "CPU s",
-                         "peak RSS MiB", "MiB/peer", "min group"], rows)
+        by_arm.setdefault(r["arm"], []).append(r)
+    final = {name: [loss_at(r["curve"], 1.0) for r in runs] for name, runs in by_arm.items()}
+    ref = {name: _mean(final[name]) for name in ("centralized", "diloco")
+           if name in final and None not in final[name]}
+    rows = []
+    for name, runs in by_arm.items():
+        losses = [[loss_at(r["curve"], f) for r in runs] for f in (0.25, 0.5, 1.0)]
+        mean = [_mean(l) if None not in l else None for l in losses]
+        seeds = ",".join(str(r.get("seed", 0)) for r in runs)
+        spread = max(losses[2]) - min(losses[2]) if len(runs) > 1 and mean[2] is not None else None
+        bytes_ = [r["bytes_per_peer"] for r in runs if r["bytes_per_peer"] is not None]
+        groups = [r["min_group"] for r in runs if r["min_group"] is not None]
+        rows.append([runs[0]["label"], seeds,
+                     f"{runs[0]['params_total'] / 1e6:.1f}" if runs[0].get("params_total") else "-",
+                     *(f"{l:.4f}" if l is not None else "-" for l in mean),
+                     f"{spread:.4f}" if spread is not None else "-",
+                     *(f"{mean[2] / ref[k]:.3f}" if (k in ref and mean[2]) else "-" for k in ("centralized", "diloco")),
+                     f"{runs[0]['model_peak'] / 2**20:.0f}" if runs[0].get("model_peak") else "-",
+                     f"{_mean([r['wall_s'] for r in runs]):.0f}", f"{_mean([r['cpu_s'] for r in runs]):.0f}",
+                     f"{_mean(bytes_) / 2**20:.1f}" if bytes_ else "-",
+                     f"{min(groups)}/{runs[0]['peers']}" if groups else "-"])
+    return format_table(["arm", "seeds", "params M", "loss@25%", "loss@50%", "loss@100%", "spread@100%",
+                         "÷ central", "÷ DiLoCo", "model MiB/peer", "wall s", "CPU s", "MiB/peer", "min group"], rows)
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -297,13 +375,19 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
                               ("seconds", "wall time (s)", "convergence_wall.png")):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
         colors = plt.get_cmap("tab20").colors
-        for i, r in enumerate(results):
+        names = list(dict.fromkeys(r["arm"] for r in results))
+        for r in results:
+            i = names.index(r["arm"])
             xs = [p[key] / (1e6 if key == "tokens" else 1) for p in r["curve"]]
-            # Centralized in black, DiLoCo arms dashed, SPES arms solid: 11 arms stay tellable apart.
+            # Centralized in black, DiLoCo arms dashed, SPES arms solid: 11 arms stay tellable apart; one colour
+            # per arm, its other seeds fainter.
             style = dict(color="black", linewidth=2.2) if r["arm"] == "centralized" else \
                 dict(color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
                      linestyle="--" if r["arm"].startswith("diloco") else "-")
-            ax.plot(xs, [p["eval_loss"] for p in r["curve"]], marker=".", label=r["label"], **style)
+            if r.get("seed"):
+                style["alpha"] = 0.55
+            label = r["label"] + (f" (seed {r['seed']})" if r.get("seed") else "")
+            ax.plot(xs, [p["eval_loss"] for p in r["curve"]], marker=".", label=label, **style)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out loss (nats/token)")
         ax.grid(alpha=0.3)
@@ -320,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", choices=sorted(SCALES), default="default", help="model shape and token budget")
     p.add_argument("--arms", default="centralized,diloco,spes,spes_nomerge,spes_nesterov,spes_repl2,spes_decayedlb",
                    help="comma list of arms to run, in order")
+    p.add_argument("--equal-memory", action="store_true",
+                   help="the equal-memory pair only: spes_big and diloco_eqmem (same as --arms spes_big,diloco_eqmem)")
+    p.add_argument("--seeds", default="0", help="comma list of train.seed values: every arm runs once per seed")
     p.add_argument("--alpha-sweep", default="", help="comma list of merge alpha0 values: one extra SPES arm each")
     p.add_argument("--peers", type=int, default=4, help="peers per swarm arm")
     p.add_argument("--steps", type=int, help="local steps per peer (default: the scale's)")
@@ -336,30 +423,39 @@ def main(argv: list[str] | None = None) -> int:
     scale["steps"] = args.steps or scale["steps"]
     scale["every"] = args.every or scale["every"]
     alphas = [float(a) for a in args.alpha_sweep.split(",") if a.strip()]
-    names = [a.strip() for a in args.arms.split(",") if a.strip()]
-    arms = build_arms(names, scale, args.peers, alphas)
+    names = ["spes_big", "diloco_eqmem"] if args.equal_memory else [a.strip() for a in args.arms.split(",") if a.strip()]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--seeds must be a comma list of integers, got {args.seeds!r}")
+    base = build_arms(names, scale, args.peers, alphas)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     previous = out / "results.json"
-    if args.resume and previous.exists():
-        saved = json.loads(previous.read_text())
-        if saved["scale"] == scale and saved["peers"] == args.peers:
-            keep = {r["arm"]: r for r in saved["results"]}
-            results = [keep[a.name] for a in arms if a.name in keep]
-            logger.info(f"resuming: kept {[r['arm'] for r in results]} from {previous}")
-    if args.replot:
-        results = json.loads(previous.read_text())["results"]
-    done = {r["arm"] for r in results}
+    saved = json.loads(previous.read_text()) if previous.exists() and (args.resume or args.replot) else {}
+    resuming = bool(args.resume and saved and saved["scale"] == scale and saved["peers"] == args.peers)
+    if args.replot or resuming:
+        results = list(saved["results"])  # every arm saved, listed now or not: one table grows run by run
+        logger.info(f"kept {[r.get('key', r['arm']) for r in results]} from {previous}")
+    fit_path = out / "fit.json"
+    if not args.replot:
+        # A resumed run keeps the model size found before: its other seeds must train the same model.
+        cached = json.loads(fit_path.read_text()) if resuming and fit_path.exists() else None
+        fit = resolve_equal_memory(base, scale, args.peers, cached)
+        if fit is not None:
+            fit_path.write_text(json.dumps(fit, indent=1))
+    arms = [Arm(a.name, a.label, a.peers, a.experts, a.overrides, seed) for seed in seeds for a in base]
+    done = {r.get("key", r["arm"]) for r in results}
     for arm in arms if not args.replot else []:
-        if arm.name in done:
+        if arm.key in done:
             continue
-        logger.info(f"arm {arm.name}: {arm.peers} peer(s), experts {arm.experts}")
+        logger.info(f"arm {arm.key}: {arm.peers} peer(s), experts {arm.experts}")
         results.append(run_arm(arm, scale, args.peers, out, args.arm_timeout))
-        logger.info(f"arm {arm.name} done in {results[-1]['wall_s']:.0f}s")
+        logger.info(f"arm {arm.key} done in {results[-1]['wall_s']:.0f}s")
         (out / "results.json").write_text(json.dumps({"scale": scale, "peers": args.peers, "results": results}, indent=1))
-    order = {a.name: i for i, a in enumerate(arms)}
-    results.sort(key=lambda r: order.get(r["arm"], len(order)))
+    order = {a.name: i for i, a in enumerate(base)}
+    results.sort(key=lambda r: (order.get(r["arm"], len(order)), r.get("seed", 0)))
     text = table(results)
     (out / "table.md").write_text(text + "\n")
     for path in plot(results, out):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from model.config import ModelConfig
 from model.experts import ExpertSlot, SpesExperts
@@ -59,6 +60,32 @@ def _expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
+class SelectionBiasedRouter(Qwen3MoeTopKRouter):
+    """transformers' Qwen3-MoE top-k router with a per-expert bias on the *choice* of experts, in training only.
+
+    The bias (`select_bias_E`, added to the logits before top-k) changes which experts a token goes to, not how
+    their outputs are weighted (the unbiased softmax probabilities of the chosen experts) nor the router logits
+    the z / load-balance losses see. A training lever (docs/DESIGN.md, "Own-expert routing bias"): a peer biased
+    toward the experts it owns sends more of its tokens through experts it can train. Zero (the default) and
+    eval mode route exactly as the stock router; the buffer is not saved (never in checkpoints or exports)."""
+
+    def __init__(self, config: Qwen3MoeConfig):
+        super().__init__(config)
+        self.register_buffer("select_bias_E", torch.zeros(self.num_experts), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.training or not bool(self.select_bias_E.any()):
+            return super().forward(hidden_states)
+        hidden_TD = hidden_states.reshape(-1, self.hidden_dim)
+        logits_TE = F.linear(hidden_TD, self.weight)
+        probs_TE = torch.softmax(logits_TE, dtype=torch.float, dim=-1)
+        chosen_TK = torch.topk(logits_TE.float() + self.select_bias_E, self.top_k, dim=-1).indices
+        weights_TK = probs_TE.gather(1, chosen_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return logits_TE, weights_TK.to(logits_TE.dtype), chosen_TK
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor                    # [B, T, V]
@@ -86,7 +113,12 @@ class SpesMoE(nn.Module):
         self.lm = Qwen3MoeForCausalLM(stub_config)
         self.lm.config = config
         self.lm.model.config = config
+        self._own_bias = 0.0
         for layer_idx, layer in enumerate(self.lm.model.layers):
+            # The same router weight (already initialized by transformers), in a router that can take a bias.
+            router = SelectionBiasedRouter(config)
+            router.weight = layer.mlp.gate.weight
+            layer.mlp.gate = router
             act_fn = layer.mlp.experts.act_fn
             slots = []
             for expert in range(cfg.num_experts):
@@ -124,6 +156,16 @@ class SpesMoE(nn.Module):
         for bank in self.expert_banks():
             bank.set_owned(owned)
         self.owned_experts = frozenset(owned)
+        self.set_own_expert_bias(self._own_bias)
+
+    def set_own_expert_bias(self, bias: float) -> None:
+        """Bias every layer's expert choice (training only) by `bias` toward the experts this peer owns."""
+        self._own_bias = float(bias)
+        for layer in self.lm.model.layers:
+            bias_E = layer.mlp.gate.select_bias_E
+            bias_E.zero_()
+            if self._own_bias and self.owned_experts:
+                bias_E[sorted(self.owned_experts)] = self._own_bias
 
     def expert_tensor_names(self, layer: int | None = None) -> list[str]:
         """The keys of `expert_tensors(e)` (the same for every expert), layer by layer, or those of one `layer`;

@@ -6,6 +6,7 @@ config file or a `--set` flag never silently trains with a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -46,6 +47,12 @@ class TrainConfig:
     lb_loss: float = 0.01
     # Decayed load-balance loss (docs/DESIGN.md, "The method"): own experts' counts scaled 0.7 -> 1.0 over the first 20 % of steps.
     decayed_lb: bool = False
+    # Own-expert routing bias (docs/DESIGN.md, "Own-expert routing bias"): while training, this is added to the
+    # router logits of the experts this peer owns when choosing a token's top-k experts (weights unbiased), so
+    # more of its tokens reach experts it can train; it decays linearly to 0 over the first
+    # `own_expert_bias_decay` of max_steps, so the router ends the run choosing as it does at eval. 0 = off.
+    own_expert_bias: float = 0.0
+    own_expert_bias_decay: float = 1.0
     device: str = "auto"
     # Recompute each decoder layer in backward: activations stop growing with seq_len x batch (costs ~1 forward).
     gradient_checkpointing: bool = False
@@ -60,6 +67,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not math.isfinite(self.own_expert_bias) or self.own_expert_bias < 0:
+            raise ConfigError(f"train.own_expert_bias must be a finite number >= 0, got {self.own_expert_bias}")
+        if not 0 < self.own_expert_bias_decay <= 1:
+            raise ConfigError(f"train.own_expert_bias_decay must be in (0, 1], got {self.own_expert_bias_decay}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device must be auto|cpu|cuda, got {self.device!r}")
 

@@ -61,6 +61,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def own_expert_bias_at(step: int, cfg: TrainConfig) -> float:
+    """train.own_expert_bias, decayed linearly to 0 at own_expert_bias_decay * max_steps."""
+    span = max(1.0, cfg.own_expert_bias_decay * cfg.max_steps)
+    return cfg.own_expert_bias * max(0.0, 1.0 - step / span)
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor]:
     """AdamW state as flat named tensors `optim.<param name>.<key>` (for safetensors checkpoints)."""
     names = {id(p): n for n, p in model.named_parameters()}

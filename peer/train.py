@@ -25,7 +25,7 @@ from peer.callbacks import Callback, CallbackStateError, join_callback_states, s
 from peer.config import RunConfig, save_config
 from peer.data import build_data
 from peer.optim import (build_optimizer, load_optimizer_state_tensors, lr_at, optimizer_state_tensors,
-                        sync_optimizer_params)
+                        own_expert_bias_at, sync_optimizer_params)
 from peer.tokenizer import build_tokenizer
 from sync.config import default_experts_per_peer, parse_expert_list
 
@@ -234,6 +234,8 @@ class Trainer:
         if tcfg.decayed_lb:
             count_scale_E = decayed_lb_scale(self.step, tcfg.max_steps, self.model.owned_experts,
                                              self.cfg.model.num_experts).to(self.device)
+        if tcfg.own_expert_bias:
+            self.model.set_own_expert_bias(own_expert_bias_at(self.step, tcfg))
         for _ in range(tcfg.grad_accum):
             batch = self.data.train.next_batch(tcfg.batch_size).to(self.device, non_blocking=True)
             with self._autocast():

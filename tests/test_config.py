@@ -39,6 +39,9 @@ def test_overrides_apply_in_order_and_parse_types():
     ("sync=3", "expected a mapping"),
     ("sync.target_group_size=1", "sync.target_group_size"),
     ("sync.wait_for_peers=-1", "sync.wait_for_peers"),
+    ("train.own_expert_bias=-1", "train.own_expert_bias "),
+    ("train.own_expert_bias=nan", "train.own_expert_bias "),
+    ("train.own_expert_bias_decay=0", "train.own_expert_bias_decay"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -188,3 +188,47 @@ def test_decayed_load_balance_scale_and_effect():
     _, lb_plain = router_losses((logits,), top_k=2)
     _, lb_scaled = router_losses((logits,), top_k=2, count_scale_E=decayed_lb_scale(0, 1000, [1, 3], 4))
     assert lb_scaled.item() < lb_plain.item()
+
+
+def _expert_counts(model: SpesMoE, x: torch.Tensor) -> torch.Tensor:
+    """Tokens each expert of layer 0 receives (its router's top-k choice) on input x."""
+    chosen = []
+    handle = model.lm.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    return torch.bincount(chosen[0].reshape(-1), minlength=CFG.num_experts)
+
+
+def test_own_expert_bias_steers_training_tokens_only():
+    from peer.optim import own_expert_bias_at
+
+    x = _batch(batch=8)[:, :-1]
+    model = SpesMoE(CFG, owned_experts=[1], seed=0)
+    stock = SpesMoE(CFG, owned_experts=[1], seed=0)
+    # The router's weights are transformers' own initialization, unchanged by the biased router.
+    assert torch.equal(model.lm.model.layers[0].mlp.gate.weight, stock.lm.model.layers[0].mlp.gate.weight)
+    model.train()
+    plain = _expert_counts(model, x)
+    model.set_own_expert_bias(3.0)
+    biased = _expert_counts(model, x)
+    assert biased[1] == x.numel() and biased[1] > plain[1]     # every token now also goes to the owned expert
+    assert biased.sum() == plain.sum()                          # still top-k per token
+    # The outputs are weighted by the unbiased probabilities and the losses see the unbiased logits.
+    out = model(x)
+    probs = out.router_logits[0].float().softmax(-1)
+    assert torch.allclose(out.router_logits[0], stock(x).router_logits[0])
+    assert (probs[:, 1] < 0.5).all()
+    # Eval mode, zero bias, checkpoints and ownership changes: the stock routing, nothing saved.
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, stock.eval()(x).logits)
+    assert set(model.state_dict()) == set(stock.state_dict())
+    model.set_owned_experts([2, 3])
+    assert model.lm.model.layers[1].mlp.gate.select_bias_E.tolist() == [0.0, 0.0, 3.0, 3.0]
+    model.set_own_expert_bias(0.0)
+    model.train()
+    assert torch.equal(_expert_counts(model, x), plain)
+    cfg = TrainConfig(own_expert_bias=2.0, own_expert_bias_decay=0.5, max_steps=100)
+    assert [own_expert_bias_at(s, cfg) for s in (0, 25, 50, 90)] == pytest.approx([2.0, 1.0, 0.0, 0.0])
