@@ -98,6 +98,12 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
         "spes_repl2": lambda: Arm("spes_repl2", "SPES, replication 2", peers, _split(E, peers, 2), merge_on),
         "spes_decayedlb": lambda: Arm("spes_decayedlb", "SPES + decayed LB loss", peers, spes,
                                       _deep_merge(merge_on, {"train": {"decayed_lb": True}})),
+        # Lever: a training-only routing bias toward the peer's own experts, 1.0 on the logits decayed to 0 by the
+        # end (train.own_expert_bias), against spes_nomerge.
+        "spes_ownbias": lambda: Arm("spes_ownbias", "SPES, no merge, own-expert bias 1 -> 0", peers, spes,
+                                    _deep_merge(merge_off, {"train": {"own_expert_bias": 1.0}})),
+        # Lever: the shared tensors (what every peer trains) averaged alone every N steps between full rounds
+        # (sync.shared_every); `spes_sharedN`, N must divide H (parsed below).
         "spes_big": lambda: Arm("spes_big", f"SPES, no merge, {2 * E} experts", peers, _split(2 * E, peers, 1), big),
         # Resolved in main() by measuring memory (bench/fit.py): DiLoCo on the largest MoE that fits spes_big's peer.
         "diloco_eqmem": lambda: Arm("diloco_eqmem", "DiLoCo at SPES-big's memory", peers, ["all"] * peers, merge_off),
@@ -106,6 +112,14 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
     for name in names:
         # A lever beyond the seven: sync more often. `spes_hN` / `diloco_hN` = no merge, H = N (N must
         # divide the scale's H, so that evaluations still fall right after a round).
+        shared = re.fullmatch(r"spes_shared(\d+)", name)
+        if shared:
+            n = int(shared.group(1))
+            if n <= 0 or n >= every or every % n:
+                raise ValueError(f"arm {name}: shared-only rounds every {n} steps must divide H = {every}")
+            arms.append(Arm(name, f"SPES, no merge, shared-only rounds every {n}", peers, spes,
+                            _deep_merge(merge_off, {"sync": {"shared_every": n}})))
+            continue
         match = re.fullmatch(r"(spes|diloco)_h(\d+)", name)
         if match:
             h = int(match.group(2))

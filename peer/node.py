@@ -78,6 +78,7 @@ class PeerNode:
         self.blocked_seconds = 0.0
         self._started = time.perf_counter()
         self._tokens_at_round, self._step_at_round = 0, 0
+        self._tokens_at_shared, self._step_at_shared = 0, 0  # the last full or shared-only round (sync/between.py)
         data_seed = None
         # Shared memory, created before the DHT and averager processes fork: they count refusals into it too.
         self.rejects = RejectCounter()
@@ -125,6 +126,7 @@ class PeerNode:
                     else:
                         logger.info(f"[{self.trainer.log_prefix}] {seen} peers in the run: starting")
                 self._tokens_at_round, self._step_at_round = self.trainer.tokens, self.trainer.step
+                self._tokens_at_shared, self._step_at_shared = self.trainer.tokens, self.trainer.step
             if self.metrics is not None:
                 # After the sync callback, so a round applied at this step is already counted.
                 self.trainer.add_callback(MetricsCallback(self))
@@ -218,11 +220,16 @@ class PeerNode:
                 self.dialer.poke()  # peers that joined since the last pass get a connection for this round
             since = trainer.tokens - self._tokens_at_round
             self._tokens_at_round = trainer.tokens
+            self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
             self._log_round(self.sync.start_round(trainer.step, trainer.tokens, since), trainer)
             if not self.cfg.sync.overlap:
                 self._log_round(self.sync.finish_round(block=True), trainer)
                 if self.sync.handed_over:
                     self._load_handed_over()
+        elif self.sync.shared_round_due(trainer.step - self._step_at_shared):
+            since = trainer.tokens - self._tokens_at_shared
+            self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
+            self.sync.shared_round(trainer.step, since)
         self.blocked_seconds += time.perf_counter() - start
 
     def _finish(self, trainer: Trainer) -> None:

@@ -22,6 +22,9 @@ class SyncConfig:
     """When and what a peer synchronizes. `every: 0` turns synchronization off."""
 
     every: int = 100
+    # Shared-only rounds (sync/between.py): all-reduce the shared tensors alone every this many local steps
+    # between full rounds; 0 (default) = off. Must be below `every`; all peers of a run should use the same.
+    shared_every: int = 0
     # "auto" (least-covered experts), "all", or a list like "0-3,8".
     experts: str = "auto"
     # How many experts "auto" takes; 0 means num_experts / 4 (at least 1).
@@ -80,6 +83,9 @@ class SyncConfig:
         """Raise ValueError naming the first bad field."""
         if self.every < 0:
             raise ValueError(f"sync.every must be >= 0, got {self.every}")
+        if self.shared_every < 0 or (self.shared_every and self.every and self.shared_every >= self.every):
+            raise ValueError(f"sync.shared_every must be 0 (off) or between 1 and sync.every - 1 ({self.every - 1}), "
+                             f"got {self.shared_every}")
         if self.experts_per_peer < 0:
             raise ValueError(f"sync.experts_per_peer must be >= 0, got {self.experts_per_peer}")
         if self.compression not in ("none", "fp16", "8bit"):

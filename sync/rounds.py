@@ -41,6 +41,7 @@ from hivemind.utils.logging import get_logger
 from model.model import SpesMoE
 from sync.config import SyncConfig
 from sync.applying import Applying
+from sync.between import SharedRounds
 from sync.durable import Durable
 from sync.replicas import Replicas
 from sync.fetch import ExpertFetching, Snapshot
@@ -81,7 +82,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff):
+class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, rejects: RejectCounter | None = None,
