@@ -65,7 +65,7 @@ class SelectionBiasedRouter(Qwen3MoeTopKRouter):
 
     The bias (`select_bias_E`, added to the logits before top-k) changes which experts a token goes to, not how
     their outputs are weighted (the unbiased softmax probabilities of the chosen experts) nor the router logits
-    the z / load-balance losses see. A training lever (docs/DESIGN.md, "Own-expert routing bias"): a peer biased
+    the z / load-balance losses see. A training lever (docs/DESIGN.md, "Levers beyond the paper"): a peer biased
     toward the experts it owns sends more of its tokens through experts it can train. Zero (the default) and
     eval mode route exactly as the stock router; the buffer is not saved (never in checkpoints or exports)."""
 

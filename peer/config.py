@@ -47,7 +47,7 @@ class TrainConfig:
     lb_loss: float = 0.01
     # Decayed load-balance loss (docs/DESIGN.md, "The method"): own experts' counts scaled 0.7 -> 1.0 over the first 20 % of steps.
     decayed_lb: bool = False
-    # Own-expert routing bias (docs/DESIGN.md, "Own-expert routing bias"): while training, this is added to the
+    # Own-expert routing bias (docs/DESIGN.md, "Levers beyond the paper"): while training, this is added to the
     # router logits of the experts this peer owns when choosing a token's top-k experts (weights unbiased), so
     # more of its tokens reach experts it can train; it decays linearly to 0 over the first
     # `own_expert_bias_decay` of max_steps, so the router ends the run choosing as it does at eval. 0 = off.

@@ -1,4 +1,4 @@
-"""Shared-only rounds between full rounds (sync.shared_every; docs/DESIGN.md, "Shared-only rounds").
+"""Shared-only rounds between full rounds (sync.shared_every; docs/DESIGN.md, "Levers beyond the paper").
 
 Every peer trains the shared tensors (embeddings, attention, norms, routers, LM head), while each expert is trained
 by its owners only; the shared tensors are 10-22 % of a full round's bytes. With `sync.shared_every = S` (0 < S <
