@@ -41,3 +41,25 @@ def test_convergence_smoke(tmp_path):
     for name in ("convergence_tokens.png", "convergence_wall.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "loss@100%" in proc.stdout
+
+
+@pytest.mark.slow
+def test_equal_memory_fit_measures_real_peers():
+    """bench.fit on the smoke shape with wider experts (so the parameters, not the activations, decide): a peer
+    owning a quarter of the experts needs less memory than one owning all of them, and the largest DiLoCo model
+    within the quarter-owner's memory has fewer experts."""
+    from bench.convergence import SCALES, Arm, arm_config
+    from bench.fit import largest_fitting, measure
+
+    scale = dict(SCALES["smoke"], model=dict(SCALES["smoke"]["model"], expert_hidden=1024, num_experts=8))
+
+    def cfg_for(num_experts: int) -> dict:
+        return arm_config(Arm("fit", "", 2, ["all", "all"], {"model": {"num_experts": num_experts}}), scale, 2)
+
+    quarter, full = measure(cfg_for(8), "0-1"), measure(cfg_for(8), "all")
+    assert quarter["params_total"] == full["params_total"] and quarter["params_trainable"] < full["params_trainable"]
+    # 8 experts x 2 layers x 3 x 64 x 1024 fp32: ~12 MiB of weights, x4 with gradients and AdamW state.
+    assert full["model_peak"] - quarter["model_peak"] > 20 * 2**20, (quarter, full)
+    fitted, seen = largest_fitting(cfg_for, quarter["model_peak"], 2, 8)
+    assert 2 <= fitted < 8
+    assert all(seen[e]["model_peak"] > quarter["model_peak"] for e in seen if e > fitted)
