@@ -112,13 +112,17 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
     for name in names:
         # A lever beyond the seven: sync more often. `spes_hN` / `diloco_hN` = no merge, H = N (N must
         # divide the scale's H, so that evaluations still fall right after a round).
-        shared = re.fullmatch(r"spes_shared(\d+)(m?)", name)  # a trailing "m": with the merge warm-up
+        # A trailing "m": with the merge warm-up; "b": with spes_ownbias's routing bias.
+        shared = re.fullmatch(r"spes_shared(\d+)(m?)(b?)", name)
         if shared:
-            n, merged = int(shared.group(1)), bool(shared.group(2))
+            n, merged, biased = int(shared.group(1)), bool(shared.group(2)), bool(shared.group(3))
             if n <= 0 or n >= every or every % n:
                 raise ValueError(f"arm {name}: shared-only rounds every {n} steps must divide H = {every}")
-            arms.append(Arm(name, f"SPES, {'merge warm-up' if merged else 'no merge'}, shared-only rounds every {n}",
-                            peers, spes, _deep_merge(merge_on if merged else merge_off, {"sync": {"shared_every": n}})))
+            overrides = _deep_merge(merge_on if merged else merge_off, {"sync": {"shared_every": n}})
+            if biased:
+                overrides = _deep_merge(overrides, {"train": {"own_expert_bias": 1.0}})
+            arms.append(Arm(name, f"SPES, {'merge warm-up' if merged else 'no merge'}, shared-only rounds every {n}"
+                            + (", own-expert bias" if biased else ""), peers, spes, overrides))
             continue
         match = re.fullmatch(r"(spes|diloco)_h(\d+)", name)
         if match:
