@@ -71,9 +71,9 @@ def test_sixty_second_partition_heals_without_a_restart(netlab: NetLab) -> None:
     # restart). Its own rounds while it is alone take milliseconds, so the others' round period is the clock.
     pa_rounds = rounds(peers["pa"].log_path.read_text())
     period = sorted(b.started_at - a.started_at for a, b in zip(pa_rounds, pa_rounds[1:]))[len(pa_rounds) // 2]
-    # (Rounds of this test config take ~2 s; a re-join takes a few seconds on 2 busy cores: 10 s at most. At a
-    # real H, minutes per round, that is within the first round.)
-    assert back.started_at - up_at <= max(2 * period, 10.0), (back.started_at - up_at, period)
+    # (Rounds of this test config take ~1-2 s; a re-join takes a few seconds on 2 busy cores: 11.4 s once under the
+    # full CI suite, so 15 s at most. At a real H, minutes per round, that is within the first round.)
+    assert back.started_at - up_at <= max(2 * period, 15.0), (back.started_at - up_at, period)
     # Cut off, it adopted nothing (it would have come back owning every expert).
     assert not any(r.adopted for r in rounds(pc_log) if down_at <= r.started_at <= up_at)
     for name in ("pa", "pb"):
