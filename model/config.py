@@ -29,6 +29,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02
+    # Attention head width; 0 = d_model / n_heads. Dense Qwen3 checkpoints set it on its own (Qwen3-0.6B: d 1024,
+    # 16 heads of 128), so an upcycled model must carry it (model.upcycle).
+    head_dim: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
@@ -37,13 +40,21 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.head_dim < 0:
+            raise ValueError(f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {self.head_dim}")
+        if self.head_dim == 0 and self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
+                             " unless model.head_dim is set")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError("model.d_model / model.n_heads must be even (RoPE)")
+        if self.attention_head_dim % 2:
+            raise ValueError("the attention head width (model.head_dim, or d_model / n_heads) must be even (RoPE)")
         if self.top_k > self.num_experts:
             raise ValueError(f"model.top_k ({self.top_k}) must be <= model.num_experts ({self.num_experts})")
         if self.frozen_expert_dtype not in FROZEN_DTYPES:
             raise ValueError(f"model.frozen_expert_dtype must be one of {FROZEN_DTYPES}, got {self.frozen_expert_dtype!r}")
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The width of one attention head: head_dim, or d_model / n_heads when that is 0."""
+        return self.head_dim or self.d_model // self.n_heads

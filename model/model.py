@@ -36,7 +36,7 @@ def hf_config(cfg: ModelConfig) -> Qwen3MoeConfig:
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.d_model // cfg.n_heads,
+        head_dim=cfg.attention_head_dim,
         num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.top_k,
         norm_topk_prob=cfg.norm_topk_prob,

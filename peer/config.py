@@ -56,6 +56,9 @@ class TrainConfig:
     device: str = "auto"
     # Recompute each decoder layer in backward: activations stop growing with seq_len x batch (costs ~1 forward).
     gradient_checkpointing: bool = False
+    # Start a new run from these weights instead of the seed's init: a folder written by `python -m model.upcycle`
+    # (its init.safetensors). Ignored when the run dir already has a checkpoint (resuming wins). "" = off.
+    init_from: str = ""
 
     def validate(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):

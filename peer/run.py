@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="behind NAT without port forwarding: run the DHT and averagers as hivemind clients, which "
                         "only make requests; experts are served over connections this peer opens to the run's "
                         "peers (config: network.client_mode)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start a new run from the weights python -m model.upcycle wrote to DIR (ignored when the run "
+                        "dir has a checkpoint to resume from) (config: train.init_from)")
     p.add_argument("--fresh", action="store_true",
                    help="start over: move an existing run dir aside to RUN_DIR.old-TIME (never deleted) instead of "
                         "resuming from it")
@@ -109,7 +112,7 @@ def overrides_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     flat = {
         "run_id": args.run_id, "run_dir": args.run_dir,
         "sync.experts": args.experts, "sync.every": args.sync_every,
-        "train.max_steps": args.max_steps, "train.device": args.device,
+        "train.max_steps": args.max_steps, "train.device": args.device, "train.init_from": args.init_from,
         "data.dataset": args.dataset, "data.tokenizer": args.tokenizer, "metrics.port": args.metrics_port,
         "admission.organizer_key": args.organizer_key, "admission.ticket": args.ticket,
         "network.use_auto_relay": args.use_auto_relay, "network.client_mode": args.client_mode,

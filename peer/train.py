@@ -21,6 +21,7 @@ from hivemind.utils.logging import get_logger
 from model.checkpoint import (CheckpointError, checkpoint_path, load_model_state, load_newest_complete,
                               model_state_for_checkpoint, prune_checkpoints, save_checkpoint)
 from model.model import SpesMoE, decayed_lb_scale, lm_loss
+from model.upcycle import read_init
 from peer.callbacks import Callback, CallbackStateError, join_callback_states, split_callback_state
 from peer.config import RunConfig, save_config
 from peer.data import build_data
@@ -130,6 +131,8 @@ class Trainer:
         self._optimizer_owned = self.model.owned_experts
         if resume_from is not None:
             self._restore(resume_from, ckpt_tensors, ckpt_meta)
+        elif cfg.train.init_from:
+            self._init_from(Path(cfg.train.init_from))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         # The run dir carries its tokenizer so `python -m model.export` needs nothing else.
@@ -147,6 +150,12 @@ class Trainer:
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"corrupt checkpoint {path}: bad trainer state ({e})") from None
         logger.info(f"resumed from {path} at step {self.step} ({self.tokens} tokens)")
+
+    def _init_from(self, init_dir: Path) -> None:
+        # Every peer loads the same file whatever it owns, as every peer builds the same seeded init otherwise.
+        tensors = read_init(init_dir, self.cfg.model)
+        load_model_state(self.model, tensors, str(init_dir / "init.safetensors"))
+        logger.info(f"initialized from {init_dir} (upcycled weights)")
 
     def save_checkpoint(self) -> Path:
         self.follow_ownership()

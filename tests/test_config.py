@@ -34,6 +34,8 @@ def test_overrides_apply_in_order_and_parse_types():
     ("model.nope=1", "unknown config key 'model.nope'"),
     ("model.d_model=wide", "bad value for model.d_model"),
     ("model.n_heads=5", "divisible"),
+    ("model.head_dim=-2", "model.head_dim"),
+    ("model.head_dim=15", "must be even"),
     ("sync.compression=zip", "sync.compression"),
     ("train.device=tpu", "train.device"),
     ("sync=3", "expected a mapping"),
