@@ -11,7 +11,9 @@ Arms, all in this one process and on the same data stream (`peer.data.build_data
   loss math as ours (CE + z_loss*z + lb_loss*load-balance, via `model.model.router_losses`; `--stock-loss hf`
   uses `out.loss` from `labels=` with transformers' own load-balance term instead), backward, grad clipping,
   `torch.optim.AdamW` with the same lr schedule/betas/weight decay and the same decay/no-decay groups;
-- `ours_quarter`: the Trainer owning the first quarter of the experts (what a SPES peer runs per step).
+- `ours_quarter`: the Trainer owning the first quarter of the experts (what a SPES peer runs per step);
+- with `--grouped`, `ours_all_grouped` / `ours_quarter_grouped`: the same with `model.expert_kernel=grouped`
+  (one grouped GEMM over the owned and one over the frozen experts instead of one matmul per expert).
 
 Arms are interleaved (round r runs `--steps` steps of every arm, order alternating between rounds) after a
 warm-up, and the median tokens/s over rounds is reported with its ratio to `stock`; the thread count is fixed.
@@ -130,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stock-loss", choices=["same", "hf"], default="same",
                         help="stock arm's loss: 'same' math as ours (default) or transformers' out.loss")
     parser.add_argument("--no-quarter", action="store_true", help="skip the ours_quarter arm")
+    parser.add_argument("--grouped", action="store_true",
+                        help="also run ours_all and ours_quarter with model.expert_kernel=grouped")
     parser.add_argument("--profile", action="store_true", help="profile ours_all and stock afterwards")
     parser.add_argument("--wait-quiet", type=float, default=300, metavar="SECONDS",
                         help="before measuring, wait up to this long for other processes to leave the CPUs idle "
@@ -158,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             spec = "0" if quarter == 1 else f"0-{quarter - 1}"
             ours_quarter = Trainer(make_config(args.shape, spec, Path(tmp) / "quarter", overrides))
             arms["ours_quarter"] = ours_quarter.train_step
+        if args.grouped:
+            grouped = [parse_override("model.expert_kernel=grouped")]
+            arms["ours_all_grouped"] = Trainer(make_config(args.shape, "all", Path(tmp) / "allg",
+                                                           overrides + grouped)).train_step
+            if not args.no_quarter:
+                arms["ours_quarter_grouped"] = Trainer(make_config(args.shape, spec, Path(tmp) / "quarterg",
+                                                                   overrides + grouped)).train_step
         loss_ours, loss_stock = check_same_model(ours_all, stock)
         impl = stock.model.config._experts_implementation
         attn = stock.model.config._attn_implementation

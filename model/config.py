@@ -5,8 +5,10 @@ Kept free of torch/hivemind imports so configs can be parsed and validated cheap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 FROZEN_DTYPES = ("bfloat16", "float16", "float32")
+EXPERT_KERNELS = ("auto", "loop", "grouped")
 
 
 @dataclass
@@ -32,6 +34,10 @@ class ModelConfig:
     # Attention head width; 0 = d_model / n_heads. Dense Qwen3 checkpoints set it on its own (Qwen3-0.6B: d 1024,
     # 16 heads of 128), so an upcycled model must carry it (model.upcycle).
     head_dim: int = 0
+    # How a layer's experts run (model/experts.py): "loop" = one matmul per expert; "grouped" = one grouped GEMM
+    # (torch._grouped_mm) over the owned and one over the frozen experts; "auto" = grouped on CUDA when torch
+    # has it, loop elsewhere (on CPU grouped is not faster: bench.throughput). Results are equal either way.
+    expert_kernel: Literal["auto", "loop", "grouped"] = "auto"
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
@@ -51,6 +57,8 @@ class ModelConfig:
             raise ValueError("the attention head width (model.head_dim, or d_model / n_heads) must be even (RoPE)")
         if self.top_k > self.num_experts:
             raise ValueError(f"model.top_k ({self.top_k}) must be <= model.num_experts ({self.num_experts})")
+        if self.expert_kernel not in EXPERT_KERNELS:
+            raise ValueError(f"model.expert_kernel must be one of {EXPERT_KERNELS}, got {self.expert_kernel!r}")
         if self.frozen_expert_dtype not in FROZEN_DTYPES:
             raise ValueError(f"model.frozen_expert_dtype must be one of {FROZEN_DTYPES}, got {self.frozen_expert_dtype!r}")
 

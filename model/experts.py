@@ -7,6 +7,15 @@ not depend on ownership, and switching is done in place without rebuilding the m
 
 Layout matches transformers' Qwen3-MoE experts per expert: `gate_up_proj` [2F, D] (gate rows first, then up
 rows) and `down_proj` [D, F], so export is a plain stack over experts.
+
+Two ways to run a layer's experts, equal in result (tests/test_model.py): `loop` calls each expert in turn;
+`grouped` (model.expert_kernel) sorts the (token, expert) pairs so the owned experts' rows come first, then runs
+one grouped GEMM (`torch._grouped_mm`) over the owned experts and one over the frozen ones per projection. The
+frozen group's weights are stacked in their storage dtype and re-stacked in backward rather than kept, as
+`_FrozenLinear` does for one expert, so grouping costs no memory that lives through the step.
+
+Shape suffixes: T tokens, K experts per token, S = T*K routed rows, D d_model, F expert hidden, E experts
+(E_own / E_frz: owned / frozen), G groups of one grouped GEMM.
 """
 from __future__ import annotations
 
@@ -101,23 +110,66 @@ class ExpertSlot(nn.Module):
         return frozen_linear(act_fn(gate_NF) * up_NF, self.down_proj)
 
 
+def grouped_mm_available() -> bool:
+    """Whether this torch has the grouped GEMM the `grouped` expert kernel needs."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def _offsets(counts_G: torch.Tensor) -> torch.Tensor:
+    # grouped_mm takes each group's end row, int32, on the device of the rows.
+    return torch.cumsum(counts_G, dim=0).to(torch.int32)
+
+
+def _grouped(x_SD: torch.Tensor, w_GOD: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """Row block g of x times w_GOD[g].T: [S, D] x [G, O, D] -> [S, O]."""
+    return torch._grouped_mm(x_SD, w_GOD.transpose(-2, -1), offs=offs_G)
+
+
+class _FrozenGroupedLinear(torch.autograd.Function):
+    """`_grouped(x, stack(ws))` for frozen weights: the stack (a copy) is not kept for backward; the weights'
+    own storage is, and backward stacks it again. No gradient for the weights, as for `_FrozenLinear`."""
+
+    @staticmethod
+    def forward(ctx, x_SD: torch.Tensor, offs_G: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(offs_G, *ws)
+        return _grouped(x_SD, torch.stack(ws).to(x_SD.dtype), offs_G)
+
+    @staticmethod
+    def backward(ctx, grad_SO: torch.Tensor):  # type: ignore[override]
+        offs_G, *ws = ctx.saved_tensors
+        w_GOD = torch.stack(ws).to(grad_SO.dtype)
+        grad_SD = torch._grouped_mm(grad_SO.contiguous(), w_GOD, offs=offs_G)
+        return (grad_SD, None, *([None] * len(ws)))
+
+
+def _stacked_linear(x_SD: torch.Tensor, ws: list[torch.Tensor], offs_G: torch.Tensor, frozen: bool) -> torch.Tensor:
+    if frozen and torch.is_grad_enabled() and x_SD.requires_grad:
+        return _FrozenGroupedLinear.apply(x_SD, offs_G, *ws)
+    # Owned weights: a plain stack, so autograd sends each expert its own gradient (the stack of E_own fp32
+    # experts is small next to the frozen bank).
+    return _grouped(x_SD, torch.stack([w.to(x_SD.dtype) for w in ws]), offs_G)
+
+
 class SpesExperts(nn.Module):
     """Drop-in replacement for transformers' `Qwen3MoeExperts` with per-expert ownership.
 
     forward(hidden_states [T, D], top_k_index [T, K], top_k_weights [T, K]) -> [T, D], like the original.
     """
 
-    def __init__(self, slots: list[ExpertSlot], act_fn):
+    def __init__(self, slots: list[ExpertSlot], act_fn, grouped: bool = False):
         super().__init__()
         self.bank = nn.ModuleList(slots)
         self.num_experts = len(slots)
         self.act_fn = act_fn
+        self.grouped = grouped
 
     def set_owned(self, owned: set[int]) -> None:
         for idx, slot in enumerate(self.bank):
             slot.set_owned(idx in owned)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            return self._forward_grouped(hidden_states, top_k_index, top_k_weights)
         x_TD = hidden_states
         num_tokens, top_k = top_k_index.shape
         # Group the T*K (token, expert) pairs by expert: one sort and a single host sync for the counts,
@@ -135,5 +187,36 @@ class SpesExperts(nn.Module):
             outputs.append(self.bank[expert_idx](x_SD[start:start + count], self.act_fn))
             start += count
         y_SD = torch.cat(outputs, dim=0) * top_k_weights.reshape(-1)[order_S].unsqueeze(-1).to(x_TD.dtype)
+        out_TD = torch.zeros_like(x_TD)
+        return out_TD.index_add_(0, token_S, y_SD.to(out_TD.dtype))
+
+    def _forward_grouped(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                         ) -> torch.Tensor:
+        num_tokens, top_k = top_k_index.shape
+        owned = [e for e, slot in enumerate(self.bank) if slot.owned]
+        frozen = [e for e, slot in enumerate(self.bank) if not slot.owned]
+        expert_S = top_k_index.reshape(-1)
+        # Owned experts' rows first (in expert order), then the frozen ones': each part is one grouped GEMM.
+        is_frozen_E = torch.ones(self.num_experts, dtype=torch.long, device=expert_S.device)
+        is_frozen_E[owned] = 0
+        order_S = torch.argsort(expert_S + self.num_experts * is_frozen_E[expert_S], stable=True)
+        counts_E = torch.bincount(expert_S, minlength=self.num_experts)
+        # The one host sync: where the owned rows end (the loop path reads every expert's count instead).
+        num_owned = int(counts_E[owned].sum()) if owned else 0
+        token_S = order_S // top_k
+        # Under autocast the GEMMs run in its dtype as F.linear's would (grouped_mm is not autocast-aware).
+        x_SD = x_TD[token_S].to(_compute_dtype(x_TD))
+        parts = []
+        for experts, rows_SD in ((owned, x_SD[:num_owned]), (frozen, x_SD[num_owned:])):
+            if rows_SD.shape[0] == 0:
+                continue
+            is_frozen = experts is frozen
+            offs_G = _offsets(counts_E[experts])
+            slots = [self.bank[e] for e in experts]
+            gate_up_S2F = _stacked_linear(rows_SD, [s.gate_up_proj for s in slots], offs_G, is_frozen)
+            gate_SF, up_SF = gate_up_S2F.chunk(2, dim=-1)
+            parts.append(_stacked_linear(self.act_fn(gate_SF) * up_SF, [s.down_proj for s in slots], offs_G,
+                                         is_frozen))
+        y_SD = torch.cat(parts, dim=0) * top_k_weights.reshape(-1)[order_S].unsqueeze(-1).to(x_TD.dtype)
         out_TD = torch.zeros_like(x_TD)
         return out_TD.index_add_(0, token_S, y_SD.to(out_TD.dtype))

@@ -19,7 +19,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from model.config import ModelConfig
-from model.experts import ExpertSlot, SpesExperts
+from model.experts import ExpertSlot, SpesExperts, grouped_mm_available
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,19 @@ class SpesMoE(nn.Module):
                 gate_up = torch.randn(2 * cfg.expert_hidden, cfg.d_model, generator=gen).mul_(cfg.init_std)
                 down = torch.randn(cfg.d_model, cfg.expert_hidden, generator=gen).mul_(cfg.init_std)
                 slots.append(ExpertSlot(gate_up, down, expert in owned, self.frozen_dtype))
-            layer.mlp.experts = SpesExperts(slots, act_fn)
+            layer.mlp.experts = SpesExperts(slots, act_fn, grouped=cfg.expert_kernel == "grouped")
+
+    def use_expert_kernel(self, device: torch.device) -> str:
+        """Pick the experts' kernel for `device` (model.expert_kernel "auto": grouped on CUDA, loop elsewhere);
+        returns the one in use. Raises ValueError if "grouped" is asked of a torch without grouped GEMM."""
+        kernel = self.cfg.expert_kernel
+        if kernel == "auto":
+            kernel = "grouped" if device.type == "cuda" and grouped_mm_available() else "loop"
+        if kernel == "grouped" and not grouped_mm_available():
+            raise ValueError(f"model.expert_kernel grouped needs torch._grouped_mm (torch {torch.__version__} has none)")
+        for bank in self.expert_banks():
+            bank.grouped = kernel == "grouped"
+        return kernel
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute decoder layers in backward instead of keeping their activations (transformers' mechanism)."""

@@ -192,7 +192,7 @@ def read_init(init_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]
     except Exception as e:  # safetensors raises several types for truncated/garbled files
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"corrupt init file {path}: {reason}") from None
-    want = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("seq_len", "frozen_expert_dtype")}
+    want = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("seq_len", "frozen_expert_dtype", "expert_kernel")}
     have = meta.get("model") if isinstance(meta, dict) else None
     if not isinstance(have, dict):
         raise CheckpointError(f"corrupt init file {path}: no model shape in its metadata")

@@ -188,6 +188,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(f"bad value for {key}: {value!r} is not {tp}")
+    if origin is typing.Literal:  # a choice among named values (torchtitan's style): name them in the error
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        raise ConfigError(f"bad value for {key}: {value!r} is not one of {', '.join(map(repr, choices))}")
     if tp is bool:
         if isinstance(value, bool):
             return value

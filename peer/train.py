@@ -123,6 +123,7 @@ class Trainer:
         else:
             owned = resolve_experts(cfg.sync.experts, cfg)
         self.model = SpesMoE(cfg.model, owned_experts=owned, seed=cfg.train.seed).to(self.device)
+        self.expert_kernel = self.model.use_expert_kernel(self.device)
         if cfg.train.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -296,7 +297,8 @@ class Trainer:
         logger.info(f"[{self.log_prefix}] training on {self.device}: "
                     f"{self.model.num_parameters('total') / 1e6:.2f}M params total, "
                     f"{self.model.num_parameters('trainable') / 1e6:.2f}M trainable, owned experts "
-                    f"{sorted(self.model.owned_experts)} of {self.cfg.model.num_experts}; run dir {self.run_dir}")
+                    f"{sorted(self.model.owned_experts)} of {self.cfg.model.num_experts} ({self.expert_kernel} experts); "
+                    f"run dir {self.run_dir}")
         window_loss, window_n = 0.0, 0
         window_start, window_tokens = time.perf_counter(), self.tokens
         loop_start, loop_start_step = window_start, self.step

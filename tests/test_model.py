@@ -232,3 +232,30 @@ def test_own_expert_bias_steers_training_tokens_only():
     assert torch.equal(_expert_counts(model, x), plain)
     cfg = TrainConfig(own_expert_bias=2.0, own_expert_bias_decay=0.5, max_steps=100)
     assert [own_expert_bias_at(s, cfg) for s in (0, 25, 50, 90)] == pytest.approx([2.0, 1.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("owned, frozen_dtype", [({1, 2}, "float32"), ({0, 1, 2, 3}, "float32"), (set(), "float32"),
+                                                 ({3}, "bfloat16")])
+def test_grouped_experts_equal_the_loop_forward_and_gradients(owned, frozen_dtype):
+    cfg = dataclasses.replace(CFG, frozen_expert_dtype=frozen_dtype)
+    models = {}
+    for kernel in ("loop", "grouped"):
+        model = SpesMoE(dataclasses.replace(cfg, expert_kernel=kernel), owned_experts=owned)
+        assert model.use_expert_kernel(torch.device("cpu")) == kernel
+        loss, _ = lm_loss(model, _batch(), z_coef=1e-3, lb_coef=1e-2)
+        loss.backward()
+        models[kernel] = (model, loss.detach())
+    (loop, loss_loop), (grouped, loss_grouped) = models["loop"], models["grouped"]
+    torch.testing.assert_close(loss_grouped, loss_loop, rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in loop.named_parameters()}
+    for name, param in grouped.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # Frozen experts stay without gradients and optimizer state on the grouped path too.
+    assert sum(p.requires_grad for p in grouped.parameters()) == sum(p.requires_grad for p in loop.parameters())
+
+
+def test_auto_expert_kernel_is_the_loop_on_cpu():
+    model = SpesMoE(dataclasses.replace(CFG, expert_kernel="auto"))
+    assert model.use_expert_kernel(torch.device("cpu")) == "loop"
+    assert not any(bank.grouped for bank in model.expert_banks())
