@@ -4,10 +4,15 @@ Takes the newest complete checkpoint of RUN_DIR, rebuilds the stock `Qwen3MoeFor
 back into transformers' fused layout, all in fp32) and writes it with `save_pretrained`, together with the
 run's tokenizer (saved in RUN_DIR/tokenizer by the training loop). The result loads with
 `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` and needs no code from this project.
+
+OUT_DIR/spes_eval.json records what `python -m peer.eval OUT_DIR` needs to rebuild the run's held-out blocks
+(dataset, text field, split, eval fraction, streaming, block length) and the checkpoint's step, so the export
+and its run dir give the same held-out loss.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -21,6 +26,12 @@ from model.config import ModelConfig
 from model.model import SpesMoE, hf_config
 
 logger = logging.getLogger(__name__)
+
+EVAL_INFO_FILE = "spes_eval.json"
+EVAL_INFO_FORMAT = "spes-eval-v1"
+# The data settings that choose and read the held-out documents (peer/data.py); the shard fields are left out
+# on purpose: the eval bucket does not depend on them.
+_EVAL_DATA_KEYS = ("dataset", "text_field", "split", "eval_fraction", "streaming")
 
 
 def to_hf_model(model: SpesMoE) -> Qwen3MoeForCausalLM:
@@ -42,8 +53,8 @@ def to_hf_model(model: SpesMoE) -> Qwen3MoeForCausalLM:
     return hf.eval()
 
 
-def read_model_config(run_dir: Path) -> ModelConfig:
-    """ModelConfig from RUN_DIR/config.yaml (the resolved config the peer wrote)."""
+def _read_run_yaml(run_dir: Path) -> dict:
+    """RUN_DIR/config.yaml as a plain dict (model/ never imports peer/, so no RunConfig here)."""
     path = run_dir / "config.yaml"
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -51,7 +62,14 @@ def read_model_config(run_dir: Path) -> ModelConfig:
         raise ValueError(f"{path}: cannot read the run's config ({e.strerror})") from None
     except yaml.YAMLError:
         raise ValueError(f"{path}: not valid YAML") from None
-    model_section = data.get("model") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def read_model_config(run_dir: Path) -> ModelConfig:
+    """ModelConfig from RUN_DIR/config.yaml (the resolved config the peer wrote)."""
+    path = run_dir / "config.yaml"
+    data = _read_run_yaml(run_dir)
+    model_section = data.get("model")
     if not isinstance(model_section, dict):
         raise ValueError(f"{path}: has no 'model' section")
     known = set(ModelConfig.__dataclass_fields__)
@@ -61,6 +79,22 @@ def read_model_config(run_dir: Path) -> ModelConfig:
     return ModelConfig(**model_section)
 
 
+def eval_info(run_dir: Path, seq_len: int, step: int) -> dict:
+    """What spes_eval.json holds: the run's held-out data settings, block length and the exported step.
+
+    A local dataset path is stored absolute (resolved from the current directory, as the peer resolved it), so
+    the export still finds it from anywhere; "builtin" and hub names are kept as they are."""
+    data = _read_run_yaml(run_dir)
+    section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    settings = {key: section[key] for key in _EVAL_DATA_KEYS if key in section}
+    dataset = settings.get("dataset")
+    if isinstance(dataset, str) and dataset != "builtin":
+        local = Path(dataset).expanduser()
+        if local.exists():
+            settings["dataset"] = str(local.resolve())
+    return {"format": EVAL_INFO_FORMAT, "step": step, "seq_len": seq_len, "data": settings}
+
+
 def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Export the newest checkpoint of `run_dir` to `out_dir`; returns the checkpoint used."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -68,7 +102,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise ValueError(f"{run_dir}: no checkpoint found in {run_dir / 'checkpoints'}")
-    tensors, _ = load_checkpoint(ckpt)
+    tensors, metadata = load_checkpoint(ckpt)
     # Build with every expert frozen in fp32: no optimizer is needed and no precision is lost.
     cfg.frozen_expert_dtype = "float32"
     model = SpesMoE(cfg, owned_experts=())
@@ -81,6 +115,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
+    step = metadata.get("step")
+    if not isinstance(step, int):  # older checkpoints: the step is in the file name
+        step = int(ckpt.stem.split("_")[-1])
+    info = eval_info(run_dir, cfg.seq_len, step)
+    (out_dir / EVAL_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return ckpt
 
 

@@ -313,6 +313,60 @@ def _quiet_progress() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+def _open(cfg: DataConfig) -> tuple[datasets.Dataset | datasets.IterableDataset, str]:
+    """cfg.dataset opened and checked, reduced to its text column, as (dataset, description)."""
+    raw, description = _load(cfg)
+    _check_text_field(raw, cfg)
+    return raw.select_columns([cfg.text_field]), description
+
+
+def _eval_blocks_of(raw: datasets.Dataset | datasets.IterableDataset, cfg: DataConfig,
+                    tokenizer: PreTrainedTokenizerBase, block_len: int, max_eval_blocks: int) -> torch.Tensor:
+    """The first `max_eval_blocks` blocks of the held-out documents in dataset order, packed the same way for
+    map-style and streaming data; reading stops as soon as enough blocks exist."""
+    eval_list = list(itertools.islice(
+        _pack_stream(_text_batches(raw, cfg.text_field), tokenizer, _EVAL_SHARD, cfg.eval_fraction, cfg.num_shards,
+                     block_len), max_eval_blocks))
+    if not eval_list:
+        raise ValueError(f"dataset {cfg.dataset} has too few tokens for one eval block: its held-out documents "
+                         f"(data.eval_fraction={cfg.eval_fraction}) give < {block_len} tokens")
+    return torch.as_tensor(np.stack(eval_list), dtype=torch.long)
+
+
+def _text_batches(raw: datasets.Dataset | datasets.IterableDataset, text_field: str) -> Iterable[list[Any]]:
+    if isinstance(raw, datasets.IterableDataset):
+        return _batched_texts(raw, text_field, _STREAM_BATCH_DOCS)
+    return (b[text_field] for b in raw.iter(batch_size=_MAP_BATCH_DOCS))
+
+
+def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no end-of-text token")
+
+
+def build_eval_blocks(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                      max_eval_blocks: int = 64) -> torch.Tensor:
+    """Only the held-out blocks of `build_data` (LongTensor [N, seq_len + 1], the same tensor), without packing
+    the training shard: what `python -m peer.eval` needs. Same ValueErrors as build_data."""
+    _check_tokenizer(tokenizer)
+    with _quiet_progress():
+        raw, _ = _open(cfg)
+        return _eval_blocks_of(raw, cfg, tokenizer, seq_len + 1, max_eval_blocks)
+
+
+def heldout_documents(cfg: DataConfig) -> Iterator[str]:
+    """The held-out documents of cfg.dataset (those `document_bucket` puts in the eval bucket), in dataset order;
+    lazily, so a caller that stops early reads no further (a streamed hub dataset is never read whole)."""
+    with _quiet_progress():
+        raw, _ = _open(cfg)
+    for texts in _text_batches(raw, cfg.text_field):
+        for text in texts:
+            # Empty documents are skipped exactly as packing skips them.
+            if (isinstance(text, str) and text
+                    and document_bucket(text, cfg.eval_fraction, cfg.num_shards) == _EVAL_SHARD):
+                yield text
+
+
 def build_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
                max_eval_blocks: int = 64) -> DataSplits:
     """Open cfg.dataset and return this peer's train stream plus the held-out eval blocks.
@@ -320,27 +374,13 @@ def build_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int
     Deterministic given (cfg, tokenizer, seq_len, seed). Raises ValueError (one line naming the cause) for a
     missing/unreadable path, an unsupported file type, a missing text column, or too little text.
     """
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no end-of-text token")
+    _check_tokenizer(tokenizer)
     block_len = seq_len + 1
     with _quiet_progress():
-        raw, description = _load(cfg)
-        _check_text_field(raw, cfg)
-        raw = raw.select_columns([cfg.text_field])
+        raw, description = _open(cfg)
         bucket_args = {"eval_fraction": cfg.eval_fraction, "num_shards": cfg.num_shards}
-
-        # The eval set is the first blocks of the held-out documents in dataset order, packed the same way for
-        # both modes; reading stops as soon as enough blocks exist.
-        if isinstance(raw, datasets.IterableDataset):
-            texts: Iterable[list[Any]] = _batched_texts(raw, cfg.text_field, _STREAM_BATCH_DOCS)
-        else:
-            texts = (b[cfg.text_field] for b in raw.iter(batch_size=_MAP_BATCH_DOCS))
-        eval_list = list(itertools.islice(
-            _pack_stream(texts, tokenizer, _EVAL_SHARD, block_len=block_len, **bucket_args), max_eval_blocks))
-        if not eval_list:
-            raise ValueError(f"dataset {cfg.dataset} has too few tokens for one eval block: its held-out documents "
-                             f"(data.eval_fraction={cfg.eval_fraction}) give < {block_len} tokens")
-        eval_blocks = torch.as_tensor(np.stack(eval_list), dtype=torch.long)
+        # Opened once for both: the eval blocks are exactly what build_eval_blocks returns.
+        eval_blocks = _eval_blocks_of(raw, cfg, tokenizer, block_len, max_eval_blocks)
 
         train: BlockStream
         if isinstance(raw, datasets.IterableDataset):
