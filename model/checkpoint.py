@@ -106,21 +106,29 @@ def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], metadata: dict
             tmp.unlink()
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a checkpoint fully; any damage (truncation, bad header, wrong format) raises CheckpointError."""
+def read_safetensors(path: str | Path, fmt: str = FORMAT, kind: str = "checkpoint"
+                     ) -> tuple[dict[str, torch.Tensor], Any]:
+    """All tensors of a safetensors file of format `fmt` and its JSON metadata; any damage (truncation, bad header,
+    wrong format) raises CheckpointError naming the `kind` of file and its path."""
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
-            if header.get("format") != FORMAT:
-                raise CheckpointError(f"corrupt checkpoint {path}: not a {FORMAT} file")
+            if header.get("format") != fmt:
+                raise CheckpointError(f"corrupt {kind} {path}: not a {fmt} file")
             metadata = json.loads(header["metadata"])
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises several types for truncated/garbled files
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"corrupt checkpoint {path}: {reason}") from None
+        raise CheckpointError(f"corrupt {kind} {path}: {reason}") from None
+    return tensors, metadata
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a checkpoint fully; any damage (truncation, bad header, wrong format) raises CheckpointError."""
+    tensors, metadata = read_safetensors(path)
     if not isinstance(metadata, dict):
         raise CheckpointError(f"corrupt checkpoint {path}: metadata is not a JSON object")
     return tensors, metadata

@@ -30,7 +30,7 @@ import yaml
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM
 
-from model.checkpoint import CheckpointError
+from model.checkpoint import CheckpointError, read_safetensors
 from model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -175,24 +175,12 @@ def read_init(init_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]
     """The tensors of INIT_DIR/init.safetensors, after checking they were upcycled for this model shape.
 
     Raises CheckpointError (one line naming the file) for a missing, damaged or mismatched file."""
-    from safetensors import safe_open
-
     path = Path(init_dir) / INIT_FILE
     if not path.is_file():
         raise CheckpointError(f"--init-from {init_dir}: no {INIT_FILE} there (write one with python -m model.upcycle)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            if header.get("format") != INIT_FORMAT:
-                raise CheckpointError(f"{path}: not a {INIT_FORMAT} file")
-            meta = json.loads(header["metadata"])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors raises several types for truncated/garbled files
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"corrupt init file {path}: {reason}") from None
-    want = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("seq_len", "frozen_expert_dtype", "expert_kernel")}
+    tensors, meta = read_safetensors(path, INIT_FORMAT, kind="init file")
+    runtime_only = ("seq_len", "frozen_expert_dtype", "expert_kernel")  # free to differ from the upcycled file
+    want = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in runtime_only}
     have = meta.get("model") if isinstance(meta, dict) else None
     if not isinstance(have, dict):
         raise CheckpointError(f"corrupt init file {path}: no model shape in its metadata")
