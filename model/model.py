@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -267,11 +267,16 @@ def decayed_lb_scale(step: int, max_steps: int, owned: Iterable[int], num_expert
 
 
 def lm_loss(model: SpesMoE, tokens_BT1: torch.Tensor, z_coef: float, lb_coef: float,
-            count_scale_E: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Training loss on a packed block batch [B, T+1]: CE(next token) + z_coef*z + lb_coef*lb."""
+            count_scale_E: torch.Tensor | None = None, readback: bool = True,
+            ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Training loss on a packed block batch [B, T+1]: CE(next token) + z_coef*z + lb_coef*lb.
+
+    The parts come back as floats, or with `readback=False` as detached 0-dim tensors on the model's device
+    (reading a CUDA value makes the host wait for the GPU; the training loop reads them on log steps only)."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     out = model(inputs_BT)
     ce = F.cross_entropy(out.logits.flatten(0, 1).float(), targets_BT.reshape(-1))
     z, lb = router_losses(out.router_logits, model.cfg.top_k, count_scale_E)
     loss = ce + z_coef * z + lb_coef * lb
-    return loss, {"ce": ce.item(), "z_loss": z.item(), "lb_loss": lb.item()}
+    parts = {"ce": ce.detach(), "z_loss": z.detach(), "lb_loss": lb.detach()}
+    return loss, {k: v.item() for k, v in parts.items()} if readback else parts

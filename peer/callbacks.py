@@ -34,6 +34,11 @@ class Callback:
     def post_step(self, trainer: "Trainer") -> None:
         """After every optimizer step with a finite loss (trainer.step already counts it)."""
 
+    def needs_checked_step(self, trainer: "Trainer") -> bool:
+        """Whether the next step's loss must be read back and checked before post_step (a loop that defers the
+        readback on a GPU asks before each step; see peer/train.py)."""
+        return False
+
     def on_nonfinite(self, trainer: "Trainer", loss: float) -> bool:
         """A step's loss was not finite and nothing was updated: True if this callback restored a good state
         (training then retries the step), False to let the trainer fail."""

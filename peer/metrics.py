@@ -140,8 +140,10 @@ class PeerMetrics:
         now = time.monotonic()
         self.train_step.set(trainer.step)
         loss = getattr(trainer, "last_loss", None)
-        if loss is not None and trainer.step != self._loss_step:
-            self._loss_step = trainer.step
+        # On a GPU the loss is read back on log steps only (peer/train.py): one EMA update per reading.
+        loss_step = getattr(trainer, "last_loss_step", trainer.step)
+        if loss is not None and loss_step != self._loss_step:
+            self._loss_step = loss_step
             ema = self._loss_ema
             self._loss_ema = loss if ema is None else LOSS_SMOOTHING * ema + (1 - LOSS_SMOOTHING) * loss
             self.train_loss.set(self._loss_ema)

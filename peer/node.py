@@ -318,6 +318,10 @@ class SyncCallback(Callback):
     def post_step(self, trainer: Trainer) -> None:
         self.node._maybe_sync(trainer)
 
+    def needs_checked_step(self, trainer: Trainer) -> bool:
+        # The step after a round was applied decides whether that round is kept or rolled back.
+        return self.node.sync is not None and self.node.sync.awaiting_check
+
     def on_nonfinite(self, trainer: Trainer, loss: float) -> bool:
         return self.node._rollback(trainer, loss)
 

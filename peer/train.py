@@ -13,7 +13,7 @@ import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from hivemind.utils.logging import get_logger
@@ -83,11 +83,16 @@ class Trainer:
     """Trains one peer's share of the model. Call `run()`; `request_stop()` ends it after the current step."""
 
     def __init__(self, cfg: RunConfig, data_seed: int | None = None,
-                 choose_auto: Callable[[int], list[int]] | None = None):
+                 choose_auto: Callable[[int], list[int]] | None = None, deferred_readback: bool | None = None):
         """`data_seed` orders this peer's data (default train.seed; the swarm derives one per peer);
-        `choose_auto(count)` picks experts for `--experts auto` (the swarm asks the DHT)."""
+        `choose_auto(count)` picks experts for `--experts auto` (the swarm asks the DHT); `deferred_readback`
+        (default: on CUDA) reads the loss back on log/eval/checkpoint steps only (see `train_step`)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
+        self.deferred_readback = self.device.type == "cuda" if deferred_readback is None else deferred_readback
+        # Steps skipped on the device for a non-finite loss since the last readback (deferred mode only).
+        self._skipped_T: torch.Tensor | None = None
+        self.last_loss_step = 0  # the step last_loss was read at
         self.run_dir = cfg.resolved_run_dir()
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -126,7 +131,7 @@ class Trainer:
         self.expert_kernel = self.model.use_expert_kernel(self.device)
         if cfg.train.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = build_optimizer(self.model, cfg.train, fused=self.deferred_readback)
         # The ownership the optimizer's parameters follow: the swarm changes the model's (adoption, hand-back)
         # and the optimizer catches up before the next step (_follow_ownership).
         self._optimizer_owned = self.model.owned_experts
@@ -231,8 +236,26 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over grad_accum micro-batches; returns mean loss parts."""
+    def needs_readback(self) -> bool:
+        """Whether the next step reads its loss back (always, unless deferred; then on log, eval and checkpoint
+        steps, the last step, a stop, and when a callback asks: the step after a round was applied)."""
+        if not self.deferred_readback:
+            return True
+        tcfg, nxt = self.cfg.train, self.step + 1
+        if nxt == 1 or nxt >= tcfg.max_steps or self._stop:
+            return True
+        if any(every and nxt % every == 0 for every in (tcfg.log_every, tcfg.eval_every, tcfg.checkpoint_every)):
+            return True
+        return any(callback.needs_checked_step(self) for callback in self.callbacks)
+
+    def train_step(self, readback: bool = True) -> dict[str, Any]:
+        """One optimizer step over grad_accum micro-batches; returns mean loss parts.
+
+        `readback` (always on CPU): the parts are floats, and a non-finite loss raises NonFiniteLoss before
+        anything is updated. Without it (deferred mode, a GPU): the parts stay 0-dim device tensors and nothing
+        waits for the GPU; a non-finite loss or gradient norm makes fused AdamW skip the update on the device
+        (`found_inf`: parameters, moments and step count untouched), counted and reported at the next readback.
+        Its `ce` is then 0 and `counted` 0, so the loop's mean loss leaves it out."""
         tcfg = self.cfg.train
         self.follow_ownership()
         for group in self.optimizer.param_groups:
@@ -249,12 +272,19 @@ class Trainer:
         for _ in range(tcfg.grad_accum):
             batch = self.data.train.next_batch(tcfg.batch_size).to(self.device, non_blocking=True)
             with self._autocast():
-                loss, parts = lm_loss(self.model, batch, tcfg.z_loss, tcfg.lb_loss, count_scale_E)
+                loss, parts = lm_loss(self.model, batch, tcfg.z_loss, tcfg.lb_loss, count_scale_E, readback=readback)
             (loss / tcfg.grad_accum).backward()
             for key, value in parts.items():
                 totals[key] = totals.get(key, 0.0) + value / tcfg.grad_accum
             self.tokens += batch.shape[0] * (batch.shape[1] - 1)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not readback:
+            return self._step_on_device(totals, params)
+        if self._skipped_T is not None:
+            skipped, self._skipped_T = int(self._skipped_T), None
+            if skipped:
+                logger.warning(f"[{self.log_prefix}] {skipped} step(s) before step {self.step + 1} had a non-finite "
+                               f"loss or gradient and were skipped (nothing updated)")
         if not math.isfinite(totals["ce"]):
             # Before optimizer.step: NaN gradients would poison the AdamW moments for good.
             self.optimizer.zero_grad(set_to_none=True)
@@ -264,6 +294,25 @@ class Trainer:
             totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return totals
+
+    def _step_on_device(self, totals: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+        tcfg = self.cfg.train
+        bad_T = ~torch.isfinite(totals["ce"])
+        if tcfg.grad_clip > 0:
+            totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+            bad_T = bad_T | ~torch.isfinite(totals["grad_norm"])
+        # Fused AdamW reads these as GradScaler leaves them: found_inf 1 skips the whole update on the device.
+        self.optimizer.found_inf, self.optimizer.grad_scale = bad_T.float(), None
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.found_inf = None
+        self.optimizer.zero_grad(set_to_none=True)
+        self._skipped_T = bad_T.long() if self._skipped_T is None else self._skipped_T + bad_T.long()
+        totals["counted"] = (~bad_T).float()
+        totals["ce"] = torch.where(bad_T, torch.zeros_like(totals["ce"]), totals["ce"])
         self.step += 1
         return totals
 
@@ -304,24 +353,28 @@ class Trainer:
         loop_start, loop_start_step = window_start, self.step
         last_saved = self.step
         while self.step < tcfg.max_steps and not self._stop:
+            readback = self.needs_readback()
             try:
-                parts = self.train_step()
+                parts = self.train_step(readback)
             except NonFiniteLoss as e:
                 if any(callback.on_nonfinite(self, e.loss) for callback in self.callbacks):
                     continue  # restored: retry this step from the restored values
                 raise FloatingPointError(f"loss became {e.loss} at step {self.step + 1}") from None
-            self.last_loss = parts["ce"]
+            if readback:
+                self.last_loss, self.last_loss_step = parts["ce"], self.step
             for callback in self.callbacks:
                 callback.post_step(self)
-            window_loss += parts["ce"]
-            window_n += 1
+            # Device tensors in deferred steps (summed on the device), read at the next log step.
+            window_loss = window_loss + parts["ce"]
+            window_n = window_n + parts.get("counted", 1)
             record = None
             now = time.perf_counter()
             if tcfg.log_every and (self.step % tcfg.log_every == 0 or self.step == 1 or self.step == tcfg.max_steps):
                 tok_s = (self.tokens - window_tokens) / max(now - window_start, 1e-9)
                 steps_s = (self.step - loop_start_step) / max(now - loop_start, 1e-9)
                 eta = (tcfg.max_steps - self.step) / steps_s if steps_s > 0 else float("inf")
-                record = {"step": self.step, "loss": window_loss / window_n, "tokens": self.tokens,
+                window_loss, window_n = float(window_loss), float(window_n)
+                record = {"step": self.step, "loss": window_loss / max(window_n, 1), "tokens": self.tokens,
                           "tokens_per_s": tok_s, "rounds": self.rounds,
                           "owned_experts": sorted(self.model.owned_experts), "time": time.time(),
                           "lr": lr_at(self.step - 1, tcfg), "z_loss": parts["z_loss"], "lb_loss": parts["lb_loss"]}

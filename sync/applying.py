@@ -69,6 +69,11 @@ class Applying:
         self.rollbacks += 1
         return True
 
+    @property
+    def awaiting_check(self) -> bool:
+        """A round was applied and no step since has shown its loss finite: the next step's loss must be read."""
+        return self._pre_apply is not None
+
     def step_done(self) -> None:
         """The training loop finished a step with a finite loss after the last apply: the round is kept."""
         self._pre_apply = None

@@ -3,6 +3,7 @@ export loads in plain transformers with equal logits, Ctrl-C finishes cleanly.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -151,3 +152,42 @@ def test_no_arguments_trains_the_default_model_offline(tmp_path):
     assert "alone in the run: training experts [0, 1, 2, 3, 4, 5, 6, 7] of 8" in err, err[-2000:]
     assert records[-1]["loss"] < records[0]["loss"]
     assert latest_checkpoint(run_dir / "checkpoints") is not None
+
+
+def test_deferred_readback_trains_alike_and_skips_a_nonfinite_step_on_the_device(tmp_path):
+    """The GPU loop (loss read back on log steps only, fused AdamW skipping a bad step on the device), run on CPU:
+    it logs the same losses as the loop that reads every step, and a NaN in a step it does not read back leaves
+    parameters, moments and step counts untouched and training goes on."""
+    sets = ("train.max_steps=12", "train.checkpoint_every=0", "train.eval_every=0", "train.log_every=4",
+            "sync.experts=0-1")
+    eager = Trainer(_cfg(tmp_path / "eager", *sets))
+    eager.run()
+    deferred = Trainer(_cfg(tmp_path / "deferred", *sets), deferred_readback=True)
+    assert deferred.optimizer.defaults["fused"] and [deferred.needs_readback()] == [True]  # step 1 is read
+    deferred.run()
+    want, got = _metrics(tmp_path / "eager"), _metrics(tmp_path / "deferred")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 4, 8, 12]
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), (a, b)
+
+    nan_run = Trainer(_cfg(tmp_path / "nan", *sets), deferred_readback=True)
+    trainable = [p for g in nan_run.optimizer.param_groups for p in g["params"]]
+    snapshots: dict[int, list[torch.Tensor]] = {}
+
+    class Snapshot(Callback):
+        def post_step(self, trainer: Trainer) -> None:
+            snapshots[trainer.step] = [p.detach().clone() for p in trainable]
+            if trainer.step == 3:
+                assert all(float(nan_run.optimizer.state[p]["step"]) == 2 for p in trainable)
+
+    nan_run.add_callback(Snapshot())
+    # The 3rd step (not a log step: read back at 1, 4, 8, 12) sees NaN logits.
+    nan_run.model.lm.lm_head.register_forward_hook(
+        lambda module, args, out: out * float("nan") if nan_run.step == 2 else None)
+    nan_run.run()
+    assert nan_run.step == 12
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3]))  # skipped on the device
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[3], snapshots[4]))  # and training went on
+    records = _metrics(tmp_path / "nan")
+    assert all(math.isfinite(r["loss"]) for r in records), records
+    assert float(nan_run.optimizer.state[trainable[0]]["step"]) == 11
