@@ -262,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     metrics = lock = None
     try:
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            # torchrun started several copies of this process: each would be a separate peer fighting over one
+            # run dir. One peer spanning several processes (SPEC 3a) is not built yet (issue 11, part 2).
+            raise ConfigError(f"started as one of {os.environ['WORLD_SIZE']} torchrun processes: a peer spanning "
+                              "several processes is not supported yet; start one peer.run per GPU instead, each "
+                              "with its own --run-dir and --identity-path (CUDA_VISIBLE_DEVICES=i)")
         cfg = load_config(args.config, overrides_from_args(args))
         if cfg.sync.experts not in ("auto", "all"):
             from sync.config import parse_expert_list
