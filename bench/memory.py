@@ -49,6 +49,9 @@ ARMS: dict[str, tuple[str, str | None]] = {
     # Diagnostic, not run by default: frozen experts through plain F.linear(x, w.float()), i.e. without
     # model.experts._FrozenLinear, to show what that custom autograd function saves.
     "quarter_naive_upcast": ("quarter", None),
+    # model.expert_kernel=grouped (issue 11): what the grouped GEMM's stacked weights cost at the peak.
+    "quarter_grouped": ("quarter", None),
+    "all_grouped": ("all", None),
 }
 DEFAULT_ARMS = ["all_owned", "owned_quarter", "quarter_fp32_frozen"]
 # Shape defaults: paper-1b with a 32k vocabulary and 512-token sequences (the issue's setting).
@@ -202,6 +205,7 @@ def run_arm(arm: str, shape: str, vocab: int | None, seq_len: int | None, batch_
     owned_kind, frozen_dtype = ARMS[arm]
     cfg = build_config(shape, vocab, seq_len, frozen_dtype)
     mcfg = cfg.model
+    mcfg.expert_kernel = "grouped" if arm.endswith("_grouped") else "loop"
     owned = owned_experts(owned_kind, mcfg.num_experts)
     if arm == "quarter_naive_upcast":
         import model.experts as experts_module

@@ -10,9 +10,10 @@ rows) and `down_proj` [D, F], so export is a plain stack over experts.
 
 Two ways to run a layer's experts, equal in result (tests/test_model.py): `loop` calls each expert in turn;
 `grouped` (model.expert_kernel) sorts the (token, expert) pairs so the owned experts' rows come first, then runs
-one grouped GEMM (`torch._grouped_mm`) over the owned experts and one over the frozen ones per projection. The
-frozen group's weights are stacked in their storage dtype and re-stacked in backward rather than kept, as
-`_FrozenLinear` does for one expert, so grouping costs no memory that lives through the step.
+one grouped GEMM (`torch._grouped_mm`) over the owned experts and one over the frozen ones per projection. Both
+groups' weights are stacked for the GEMM and stacked again in backward rather than kept (`_OwnedGroupedLinear`,
+`_FrozenGroupedLinear`, as `_FrozenLinear` does for one expert), so autograd keeps what the loop keeps: the
+inputs and the weights' own storage (bench.memory `quarter_grouped`).
 
 Shape suffixes: T tokens, K experts per token, S = T*K routed rows, D d_model, F expert hidden, E experts
 (E_own / E_frz: owned / frozen), G groups of one grouped GEMM.
@@ -142,12 +143,36 @@ class _FrozenGroupedLinear(torch.autograd.Function):
         return (grad_SD, None, *([None] * len(ws)))
 
 
+class _OwnedGroupedLinear(torch.autograd.Function):
+    """`_grouped(x, stack(ws))` for trainable weights, without keeping the stack (a copy of every owned expert
+    in the compute dtype) alive until backward: the weights themselves are saved, as F.linear saves its weight,
+    and backward stacks them again; each expert's gradient is its own block of one grouped x^T @ grad."""
+
+    @staticmethod
+    def forward(ctx, x_SD: torch.Tensor, offs_G: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x_SD, offs_G, *ws)
+        return _grouped(x_SD, torch.stack([w.to(x_SD.dtype) for w in ws]), offs_G)
+
+    @staticmethod
+    def backward(ctx, grad_SO: torch.Tensor):  # type: ignore[override]
+        x_SD, offs_G, *ws = ctx.saved_tensors
+        grad_SO = grad_SO.contiguous()
+        grad_SD = None
+        if ctx.needs_input_grad[0]:
+            grad_SD = torch._grouped_mm(grad_SO, torch.stack([w.to(grad_SO.dtype) for w in ws]), offs=offs_G)
+        # [O, S] x [S, D] split along S by the groups: one [O, D] block per expert.
+        grad_GOD = torch._grouped_mm(grad_SO.t(), x_SD.to(grad_SO.dtype), offs=offs_G)
+        return (grad_SD, None, *(grad_GOD[g].to(w.dtype) for g, w in enumerate(ws)))
+
+
 def _stacked_linear(x_SD: torch.Tensor, ws: list[torch.Tensor], offs_G: torch.Tensor, frozen: bool) -> torch.Tensor:
-    if frozen and torch.is_grad_enabled() and x_SD.requires_grad:
+    if not torch.is_grad_enabled():
+        return _grouped(x_SD, torch.stack([w.to(x_SD.dtype) for w in ws]), offs_G)
+    if frozen:
+        if not x_SD.requires_grad:
+            return _grouped(x_SD, torch.stack(ws).to(x_SD.dtype), offs_G)
         return _FrozenGroupedLinear.apply(x_SD, offs_G, *ws)
-    # Owned weights: a plain stack, so autograd sends each expert its own gradient (the stack of E_own fp32
-    # experts is small next to the frozen bank).
-    return _grouped(x_SD, torch.stack([w.to(x_SD.dtype) for w in ws]), offs_G)
+    return _OwnedGroupedLinear.apply(x_SD, offs_G, *ws)
 
 
 class SpesExperts(nn.Module):
@@ -201,8 +226,11 @@ class SpesExperts(nn.Module):
         is_frozen_E[owned] = 0
         order_S = torch.argsort(expert_S + self.num_experts * is_frozen_E[expert_S], stable=True)
         counts_E = torch.bincount(expert_S, minlength=self.num_experts)
-        # The one host sync: where the owned rows end (the loop path reads every expert's count instead).
-        num_owned = int(counts_E[owned].sum()) if owned else 0
+        # The one host sync, as in the loop path: where the owned rows end, and which owned experts got no token
+        # (left out of the GEMM, so their gradient stays None as in the loop and AdamW leaves them alone).
+        counts = counts_E.tolist()
+        owned = [e for e in owned if counts[e]]
+        num_owned = sum(counts[e] for e in owned)
         token_S = order_S // top_k
         # Under autocast the GEMMs run in its dtype as F.linear's would (grouped_mm is not autocast-aware).
         x_SD = x_TD[token_S].to(_compute_dtype(x_TD))

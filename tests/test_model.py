@@ -259,3 +259,14 @@ def test_auto_expert_kernel_is_the_loop_on_cpu():
     model = SpesMoE(dataclasses.replace(CFG, expert_kernel="auto"))
     assert model.use_expert_kernel(torch.device("cpu")) == "loop"
     assert not any(bank.grouped for bank in model.expert_banks())
+
+
+def test_grouped_experts_leave_an_owned_expert_without_tokens_without_a_gradient():
+    """As in the loop, an owned expert no token chose gets no gradient (None), so AdamW does not move it."""
+    for kernel in ("loop", "grouped"):
+        model = SpesMoE(dataclasses.replace(CFG, expert_kernel=kernel), owned_experts={0, 1})
+        bank = model.expert_banks()[0]
+        x_TD = torch.randn(6, CFG.d_model, requires_grad=True)
+        chosen_TK = torch.tensor([[0, 2], [2, 3], [0, 3], [3, 2], [0, 2], [2, 0]])  # expert 1 never
+        bank(x_TD, chosen_TK, torch.full((6, 2), 0.5)).sum().backward()
+        assert bank.bank[1].gate_up_proj.grad is None and bank.bank[0].gate_up_proj.grad is not None, kernel
