@@ -115,7 +115,7 @@ class Attacker:
         self.initial_peers, self.host_maddrs = list(initial_peers), list(host_maddrs)
         self.wait_peers, self.max_rounds, self.poll_s = wait_peers, max_rounds, poll_s
         self.stats = AttackStats(attack)
-        self.log_prefix = f"attacker {attack}"  # for peer.train.StopOnSignal
+        self.log_prefix = f"attacker {attack}"  # for peer.stop.StopOnSignal
         self.served: dict[int, dict[str, torch.Tensor]] = {}  # what this attacker serves per claimed expert
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from peer.config import ConfigError, load_config, parse_override
     from peer.run import keep_p2pd_out_of_terminal_signals, setup_logging
-    from peer.train import StopOnSignal
+    from peer.stop import StopOnSignal
 
     setup_logging()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps every thread's stack (a hung shutdown)

@@ -36,9 +36,11 @@ logger = get_logger(__name__)
 def round_token_cap(cfg: RunConfig) -> int:
     """The most tokens one peer can train between two rounds at the run's batch settings: the cap on any peer's
     all-reduce weight (a claimed weight of 1e9 counts as this much, issue 9). Sequences are seq_len + 1 tokens
-    long for next-token targets, so seq_len tokens per sequence is an upper bound of what a step trains."""
+    long for next-token targets, so seq_len tokens per sequence is an upper bound of what a step trains. A peer
+    of K torchrun processes trains K batches per step (peer/ranks.py): up to `sync.max_peer_processes` of them
+    count, the same cap at every peer."""
     t = cfg.train
-    return cfg.sync.every * t.grad_accum * t.batch_size * cfg.model.seq_len * max(1, getattr(t, "world_size", 1))
+    return cfg.sync.every * t.grad_accum * t.batch_size * cfg.model.seq_len * max(1, cfg.sync.max_peer_processes)
 
 
 def _data_seed(cfg: RunConfig, identity_path: str | None) -> int:
@@ -68,8 +70,9 @@ class PeerNode:
 
     def __init__(self, cfg: RunConfig, initial_peers: Sequence[str] = (),
                  host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",), announce_maddrs: Sequence[str] = (),
-                 identity_path: str | None = None, metrics: PeerMetrics | None = None):
-        """`metrics`: where to report (its HTTP endpoint, if any, is the caller's to start and stop)."""
+                 identity_path: str | None = None, metrics: PeerMetrics | None = None, ranks=None):
+        """`metrics`: where to report (its HTTP endpoint, if any, is the caller's to start and stop);
+        `ranks`: this is rank 0 of a peer spanning several torchrun processes (peer/ranks.py)."""
         self.cfg = cfg
         self.metrics = metrics
         self.swarm: Swarm | None = None
@@ -91,7 +94,8 @@ class PeerNode:
         try:
             # Everything offline first (device, tokenizer, checkpoint, dataset): a bad path or device costs one
             # line instead of a DHT start and a join. The DHT starts when `--experts auto` asks the swarm, or after.
-            self.trainer = Trainer(cfg, data_seed=data_seed, choose_auto=self._choose_auto if syncing else None)
+            self.trainer = Trainer(cfg, data_seed=data_seed, choose_auto=self._choose_auto if syncing else None,
+                                   ranks=ranks)
             if syncing:
                 self._start_swarm()
             self.trainer.log_prefix = f"{cfg.run_id} {self.short_id}"
@@ -218,7 +222,9 @@ class PeerNode:
             self._step_at_round = trainer.step
             if self.dialer is not None:
                 self.dialer.poke()  # peers that joined since the last pass get a connection for this round
-            since = trainer.tokens - self._tokens_at_round
+            # Claimed as the others will count it: at most the run's cap (a K-process peer above
+            # sync.max_peer_processes, a peer that ran far past a due round), not refused as an outlier there.
+            since = min(trainer.tokens - self._tokens_at_round, round_token_cap(self.cfg))
             self._tokens_at_round = trainer.tokens
             self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
             self._log_round(self.sync.start_round(trainer.step, trainer.tokens, since), trainer)

@@ -25,6 +25,8 @@ from peer.config import ConfigError, RunConfig, load_config, parse_override
 
 if TYPE_CHECKING:
     from peer.metrics import PeerMetrics
+    from peer.ranks import PeerRanks
+    from peer.train import Trainer
 
 logger = get_logger(__name__)
 
@@ -257,17 +259,61 @@ def start_metrics(cfg: RunConfig) -> "PeerMetrics | None":
     return metrics
 
 
+def start_replicas(trainer: "Trainer", ranks: "PeerRanks") -> None:
+    """Rank 0 of a K-process peer, once its trainer (and swarm membership) is up: hand every other rank its data
+    order and position, wait for all of them, then send them the model and optimizer state (peer/ranks.py)."""
+    states = list(trainer.resumed_data_ranks or [])
+    if trainer.resumed and len(states) != ranks.world_size - 1:
+        logger.warning(f"the checkpoint holds the data positions of {len(states) + 1} process(es), this peer has "
+                       f"{ranks.world_size}: the others start their data order from the beginning")
+    states = [None] + (states + [None] * ranks.world_size)[:ranks.world_size - 1]
+    ranks.start({"data_seed": trainer.data_seed, "data_states": states})
+    if not ranks.all_ready(True):
+        raise ConfigError("another process of this peer could not start (its log line above says why)")
+    ranks.sync_state(trainer, initial=True)
+    logger.info(f"[{trainer.log_prefix}] one peer over {ranks.world_size} processes: each trains "
+                f"{trainer.cfg.train.batch_size} sequences per micro-step, gradients averaged over all")
+    cap = trainer.cfg.sync.max_peer_processes
+    if trainer.cfg.sync.every > 0 and ranks.world_size > cap:
+        logger.warning(f"[{trainer.log_prefix}] this run counts a peer's round as at most {cap} process(es)' tokens "
+                       f"(sync.max_peer_processes): the {ranks.world_size} processes of this peer weigh that much in "
+                       f"the averages; the run's config should set sync.max_peer_processes={ranks.world_size}")
+
+
+def run_replica(cfg: RunConfig, ranks: "PeerRanks") -> int:
+    """Ranks 1..K-1 of a K-process peer: no network, no run dir; rank 0 says how to start and what to hold."""
+    from peer.stop import StopOnSignal
+    from peer.train import Trainer
+    start = ranks.start()
+    if "error" in start:
+        logger.error(f"error: rank 0 could not start the peer: {start['error']}")
+        return 2
+    with StopOnSignal() as stop:
+        try:
+            trainer = Trainer(cfg, data_seed=ranks.rank_data_seed(int(start["data_seed"])), ranks=ranks)
+            state = start["data_states"][ranks.rank]
+            if state is not None:
+                trainer.data.train.load_state_dict(state)
+        except Exception as e:  # said here, where it happened; rank 0 then stops the peer with its own line
+            logger.error(f"error: rank {ranks.rank} could not start: {e}")
+            ranks.all_ready(False)
+            return 2
+        if not ranks.all_ready(True):
+            return 2
+        trainer.log_prefix = f"{cfg.run_id} rank {ranks.rank}"
+        ranks.sync_state(trainer, initial=True)
+        stop.attach(trainer)
+        trainer.run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
-    metrics = lock = None
+    metrics = lock = ranks = None
     try:
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            # torchrun started several copies of this process: each would be a separate peer fighting over one
-            # run dir. One peer spanning several processes (SPEC 3a) is not built yet (issue 11, part 2).
-            raise ConfigError(f"started as one of {os.environ['WORLD_SIZE']} torchrun processes: a peer spanning "
-                              "several processes is not supported yet; start one peer.run per GPU instead, each "
-                              "with its own --run-dir and --identity-path (CUDA_VISIBLE_DEVICES=i)")
+        from peer.ranks import world_from_env
+        world = world_from_env()
         cfg = load_config(args.config, overrides_from_args(args))
         if cfg.sync.experts not in ("auto", "all"):
             from sync.config import parse_expert_list
@@ -287,6 +333,14 @@ def main(argv: list[str] | None = None) -> int:
                                   f"as the first peer's 'initial peer:' log line prints it")
         parse_maddrs("--announce-maddrs", args.announce_maddrs or ())
         hosts = parse_maddrs("--host-maddrs", host_maddrs)
+        if world is not None:
+            # torchrun: K processes, one peer (SPEC 3a). Every rank checked the same flags above; from here on
+            # rank 0 alone is the peer, the others follow it (peer/ranks.py).
+            from peer.ranks import PeerRanks
+            from peer.train import resolve_device
+            ranks = PeerRanks(*world, device_kind=resolve_device(cfg.train.device).type)
+            if not ranks.leader:
+                return run_replica(cfg, ranks)
         check_admission(cfg, args.identity_path)
         if cfg.sync.every > 0:
             check_host_ports(hosts)
@@ -299,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         # Heavy imports after argument checks so bad flags fail fast.
         from model.checkpoint import CheckpointError
         from peer.node import PeerNode
-        from peer.train import StopOnSignal
+        from peer.stop import StopOnSignal
         from sync.swarm import SwarmError
         keep_p2pd_out_of_terminal_signals()
         children_die_with_this_peer()
@@ -308,14 +362,18 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 node = PeerNode(cfg, initial_peers=args.initial_peers or (), host_maddrs=host_maddrs,
                                 announce_maddrs=args.announce_maddrs or (), identity_path=args.identity_path,
-                                metrics=metrics)
+                                metrics=metrics, ranks=ranks)
             except (CheckpointError, SwarmError) as e:
                 raise ConfigError(explain_swarm_error(str(e))) from None
             with node:
+                if ranks is not None:
+                    start_replicas(node.trainer, ranks)
                 stop.attach(node.trainer)
                 node.run()
     except (ConfigError, ValueError, FloatingPointError) as e:
         logger.error(f"error: {e}")
+        if ranks is not None and ranks.leader and not ranks.started:
+            ranks.start({"error": str(e)})  # the other ranks wait for rank 0's start: they exit with it
         return 2
     except KeyboardInterrupt:
         logger.error("aborted by a second interrupt; the newest checkpoint on disk is still complete")
@@ -325,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics.shutdown()
         if lock is not None:
             lock.release()
+        if ranks is not None:
+            ranks.shutdown()
     return 0
 
 

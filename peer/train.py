@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from hivemind.utils.logging import get_logger
@@ -29,6 +27,9 @@ from peer.optim import (build_optimizer, load_optimizer_state_tensors, lr_at, op
                         own_expert_bias_at, sync_optimizer_params)
 from peer.tokenizer import build_tokenizer
 from sync.config import default_experts_per_peer, parse_expert_list
+
+if TYPE_CHECKING:
+    from peer.ranks import PeerRanks
 
 logger = get_logger(__name__)
 
@@ -57,6 +58,9 @@ def _check_trainer_state(meta: dict) -> None:
     int(meta["step"]), int(meta["tokens"]), int(meta.get("rounds", 0))
     if not isinstance(meta["data"], dict):
         raise TypeError("data state is not an object")
+    ranks = meta.get("data_ranks")
+    if ranks is not None and not (isinstance(ranks, list) and all(isinstance(r, dict) for r in ranks)):
+        raise TypeError("data_ranks is not a list of data states")
     owned = meta.get("owned_experts")
     if owned is not None and not all(isinstance(e, int) for e in owned):
         raise TypeError("owned_experts is not a list of ints")
@@ -83,12 +87,19 @@ class Trainer:
     """Trains one peer's share of the model. Call `run()`; `request_stop()` ends it after the current step."""
 
     def __init__(self, cfg: RunConfig, data_seed: int | None = None,
-                 choose_auto: Callable[[int], list[int]] | None = None, deferred_readback: bool | None = None):
+                 choose_auto: Callable[[int], list[int]] | None = None, deferred_readback: bool | None = None,
+                 ranks: "PeerRanks | None" = None):
         """`data_seed` orders this peer's data (default train.seed; the swarm derives one per peer);
         `choose_auto(count)` picks experts for `--experts auto` (the swarm asks the DHT); `deferred_readback`
-        (default: on CUDA) reads the loss back on log/eval/checkpoint steps only (see `train_step`)."""
+        (default: on CUDA) reads the loss back on log/eval/checkpoint steps only (see `train_step`);
+        `ranks`: this process is one of a peer's K torchrun processes (peer/ranks.py). On rank 0 it is the
+        peer as usual; on the other ranks it reads and writes nothing in the run dir and gets its state, data
+        position and ownership from rank 0 (`PeerRanks.sync_state`)."""
         self.cfg = cfg
-        self.device = resolve_device(cfg.train.device)
+        self.ranks = ranks
+        self.leader = ranks is None or ranks.leader
+        self.world_size = 1 if ranks is None else ranks.world_size
+        self.device = ranks.device if ranks is not None else resolve_device(cfg.train.device)
         self.deferred_readback = self.device.type == "cuda" if deferred_readback is None else deferred_readback
         # Steps skipped on the device for a non-finite loss since the last readback (deferred mode only).
         self._skipped_T: torch.Tensor | None = None
@@ -99,7 +110,7 @@ class Trainer:
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ValueError(f"tokenizer {cfg.data.tokenizer!r} has {len(self.tokenizer)} tokens but "
                              f"model.vocab_size is {cfg.model.vocab_size}")
-        newest = load_newest_complete(self.ckpt_dir, check=_check_trainer_state)
+        newest = load_newest_complete(self.ckpt_dir, check=_check_trainer_state) if self.leader else None
         resume_from, ckpt_tensors, ckpt_meta = newest if newest is not None else (None, {}, {})
         # A resumed peer keeps its data order (and so continues its epoch exactly).
         self.data_seed = int(ckpt_meta.get("data_seed", data_seed if data_seed is not None else cfg.train.seed))
@@ -117,6 +128,9 @@ class Trainer:
         if resume_from is not None:
             self._resumed = ({k: v for k, v in ckpt_tensors.items() if k.startswith("callbacks.")}, ckpt_meta)
         self._resumed_from = resume_from
+        # The other ranks' data positions in the resumed checkpoint (a K-process peer; rank 0 hands them out).
+        data_ranks = ckpt_meta.get("data_ranks")
+        self.resumed_data_ranks = data_ranks if isinstance(data_ranks, list) else None
         # Log lines say which run and which peer they come from; PeerNode sets its short peer ID.
         self.log_prefix = f"{cfg.run_id} solo"
         self.last_loss: float | None = None  # cross-entropy of the latest step (for metrics)
@@ -137,13 +151,15 @@ class Trainer:
         self._optimizer_owned = self.model.owned_experts
         if resume_from is not None:
             self._restore(resume_from, ckpt_tensors, ckpt_meta)
-        elif cfg.train.init_from:
+        elif cfg.train.init_from and self.leader:
             self._init_from(Path(cfg.train.init_from))
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        if not self.leader:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         # The run dir carries its tokenizer so `python -m model.export` needs nothing else.
         self.tokenizer.save_pretrained(str(self.run_dir / "tokenizer"))
-        self.metrics_path = self.run_dir / "metrics.jsonl"
 
     # ---- state ------------------------------------------------------------------------------------------
 
@@ -163,7 +179,14 @@ class Trainer:
         load_model_state(self.model, tensors, str(init_dir / "init.safetensors"))
         logger.info(f"initialized from {init_dir} (upcycled weights)")
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of this step (rank 0 of a K-process peer writes it, with every rank's data position;
+        the other ranks only hand theirs over and return None)."""
+        data_ranks = None
+        if self.ranks is not None:
+            data_ranks = self.ranks.gather_json(self.data.train.state_dict())
+            if not self.leader:
+                return None
         self.follow_ownership()
         path = checkpoint_path(self.ckpt_dir, self.step)
         tensors = model_state_for_checkpoint(self.model)
@@ -173,6 +196,8 @@ class Trainer:
         meta = {"step": self.step, "tokens": self.tokens, "rounds": self.rounds,
                 "owned_experts": sorted(self.model.owned_experts), "data": self.data.train.state_dict(),
                 "data_seed": self.data_seed, "run_id": self.cfg.run_id, "callbacks": callback_meta}
+        if data_ranks is not None:
+            meta["data_ranks"] = data_ranks[1:]
         save_checkpoint(path, tensors, meta)
         prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_checkpoints)
         logger.info(f"checkpoint written: {path}")
@@ -222,6 +247,11 @@ class Trainer:
     def stopped(self) -> bool:
         """A stop was requested (signal, or a callback): the run did not end by completing max_steps."""
         return self._stop
+
+    def _stopping(self) -> bool:
+        """Whether the loop ends after this step: a K-process peer's ranks act on the stop they agreed on (a
+        signal may reach one of them only), one process on its own flag."""
+        return self.ranks.stop_agreed if self.ranks is not None else self._stop
 
     def request_stop(self) -> None:
         """Stop after the current step (may run inside a signal handler: callbacks only set flags)."""
@@ -276,8 +306,12 @@ class Trainer:
             (loss / tcfg.grad_accum).backward()
             for key, value in parts.items():
                 totals[key] = totals.get(key, 0.0) + value / tcfg.grad_accum
-            self.tokens += batch.shape[0] * (batch.shape[1] - 1)
+            # A K-process peer trains K such batches per micro-step (SPEC 3a: it counts all of them).
+            self.tokens += batch.shape[0] * (batch.shape[1] - 1) * self.world_size
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.ranks is not None:
+            # Before the finite check: the mean loss is the same on every rank, so they all skip or all step.
+            totals = self.ranks.average_gradients(params, totals)
         if not readback:
             return self._step_on_device(totals, params)
         if self._skipped_T is not None:
@@ -343,27 +377,45 @@ class Trainer:
         if self.step >= tcfg.max_steps:
             logger.info(f"nothing to do: step {self.step} >= max_steps {tcfg.max_steps}")
             return
-        logger.info(f"[{self.log_prefix}] training on {self.device}: "
-                    f"{self.model.num_parameters('total') / 1e6:.2f}M params total, "
-                    f"{self.model.num_parameters('trainable') / 1e6:.2f}M trainable, owned experts "
-                    f"{sorted(self.model.owned_experts)} of {self.cfg.model.num_experts} ({self.expert_kernel} experts); "
-                    f"run dir {self.run_dir}")
+        if not self.leader:
+            logger.info(f"[{self.log_prefix}] rank {self.ranks.rank} of {self.world_size}: a replica of rank 0's "
+                        f"model on {self.device}, training on its own data order")
+        else:
+            logger.info(f"[{self.log_prefix}] training on {self.device}"
+                        f"{f' x {self.world_size} processes' if self.world_size > 1 else ''}: "
+                        f"{self.model.num_parameters('total') / 1e6:.2f}M params total, "
+                        f"{self.model.num_parameters('trainable') / 1e6:.2f}M trainable, owned experts "
+                        f"{sorted(self.model.owned_experts)} of {self.cfg.model.num_experts} ({self.expert_kernel} "
+                        f"experts); run dir {self.run_dir}")
         window_loss, window_n = 0.0, 0
         window_start, window_tokens = time.perf_counter(), self.tokens
         loop_start, loop_start_step = window_start, self.step
         last_saved = self.step
-        while self.step < tcfg.max_steps and not self._stop:
-            readback = self.needs_readback()
+        ranks = self.ranks
+        while self.step < tcfg.max_steps and not self._stopping():
+            readback = self.needs_readback() if ranks is None else ranks.readback
             try:
                 parts = self.train_step(readback)
             except NonFiniteLoss as e:
-                if any(callback.on_nonfinite(self, e.loss) for callback in self.callbacks):
+                restored = any(callback.on_nonfinite(self, e.loss) for callback in self.callbacks)
+                if ranks is not None:
+                    restored = ranks.after_nonfinite(self, restored)
+                if restored:
                     continue  # restored: retry this step from the restored values
                 raise FloatingPointError(f"loss became {e.loss} at step {self.step + 1}") from None
+            if ranks is not None:
+                ranks.mark_stepped(self)
             if readback:
                 self.last_loss, self.last_loss_step = parts["ce"], self.step
             for callback in self.callbacks:
                 callback.post_step(self)
+            if ranks is not None:
+                ranks.after_step(self)
+            if not self.leader:  # rank 0 logs, evaluates and writes metrics for the peer
+                if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and not (
+                        self.step >= tcfg.max_steps or self._stopping()):
+                    self.save_checkpoint()  # hands this rank's data position to rank 0
+                continue
             # Device tensors in deferred steps (summed on the device), read at the next log step.
             window_loss = window_loss + parts["ce"]
             window_n = window_n + parts.get("counted", 1)
@@ -392,7 +444,7 @@ class Trainer:
                 for callback in self.callbacks:
                     record.update(callback.record_fields(self))
                 self._write_metrics(record)
-            ending = self.step >= tcfg.max_steps or self._stop
+            ending = self.step >= tcfg.max_steps or self._stopping()
             # The last checkpoint is written below, after post_train: it applies the final sync round, which a
             # checkpoint of the last step written here would miss (two peers' final checkpoints then differed).
             if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and not ending:
@@ -403,51 +455,10 @@ class Trainer:
         rounds_before = self.rounds
         for callback in self.callbacks:
             callback.post_train(self)
-        if tcfg.checkpoint_every and (last_saved != self.step or self.rounds != rounds_before):
+        final = bool(tcfg.checkpoint_every) and (last_saved != self.step or self.rounds != rounds_before)
+        if ranks is not None:
+            final = ranks.after_train(self, final)
+        if final:
             self.save_checkpoint()
-
-
-class StopOnSignal:
-    """Context manager: the first SIGINT/SIGTERM asks the trainer to stop after the current step;
-    a second one interrupts immediately.
-
-    It may be entered before the trainer exists (`attach` it later): a signal during start-up is then held and
-    the trainer stops before its first step, so start-up still ends in a clean shutdown.
-    """
-
-    def __init__(self, trainer: Trainer | None = None):
-        self.trainer = trainer
-        self.requested = False
-        self._previous: dict[int, object] = {}
-        self._pid = os.getpid()
-
-    def attach(self, trainer: Trainer) -> None:
-        """Direct signals to `trainer`; one already received stops it at once."""
-        self.trainer = trainer
-        if self.requested:
-            trainer.request_stop()
-
-    def _handle(self, signum, frame) -> None:
-        if os.getpid() != self._pid:
-            # A process forked while this handler was installed (hivemind's DHT and averagers): it must die on
-            # SIGTERM as usual, or hivemind's terminate() of a stuck child would not end it.
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        prefix = f"[{self.trainer.log_prefix}] " if self.trainer is not None else ""
-        logger.info(f"{prefix}{signal.Signals(signum).name} received: finishing the current step, then checkpoint "
-                    f"and exit (again to abort)")
-        if self.trainer is not None:
-            self.trainer.request_stop()
-
-    def __enter__(self) -> "StopOnSignal":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        if ranks is not None:
+            ranks.check_identical(self)

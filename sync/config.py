@@ -57,6 +57,11 @@ class SyncConfig:
     # peer's (it is slower than they are): it joins their round with the tokens it trained, weighted by them,
     # instead of holding their group up or averaging alone later (sync.progress).
     follow_swarm: bool = True
+    # The most processes one peer may span (`torchrun --nproc-per-node K`, SPEC 3a): every peer caps another's
+    # all-reduce weight at this many processes' tokens per round (a claimed weight of 1e9 counts as that much,
+    # docs/DESIGN.md "Hostile peers"). A K-process peer in a run where this is below K is counted as this many
+    # processes (its start-up log says so). All peers of a run should use the same value.
+    max_peer_processes: int = 1
     # Seconds an ownership record lives without a heartbeat (a dead peer's experts are orphaned after this).
     record_ttl: float = 30.0
     # Run a round's network part in the background while training continues (one-round-delayed update).
@@ -94,6 +99,8 @@ class SyncConfig:
             raise ValueError(f"sync.outer must be avg|nesterov, got {self.outer!r}")
         if self.aggregation not in ("centered_clip", "mean"):
             raise ValueError(f"sync.aggregation must be centered_clip|mean, got {self.aggregation!r}")
+        if self.max_peer_processes < 1:
+            raise ValueError(f"sync.max_peer_processes must be >= 1, got {self.max_peer_processes}")
         if self.alone_warn_rounds < 1:
             raise ValueError(f"sync.alone_warn_rounds must be >= 1, got {self.alone_warn_rounds}")
         if self.follow_below_mbit < 0:

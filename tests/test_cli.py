@@ -66,15 +66,6 @@ def test_bad_input_gives_one_line_error(tmp_path, args, cause):
         assert "initial peer" not in proc.stderr.replace(line, ""), proc.stderr
 
 
-def test_torchrun_copies_are_refused_in_one_line(tmp_path):
-    """What torchrun --nproc-per-node 2 sets in each copy: until one peer can span processes, each copy says so."""
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
-    proc = subprocess.run(peer_cmd("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run")), cwd=REPO,
-                          capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 2 and "torchrun" in _one_error_line(proc)
-    assert not (tmp_path / "run").exists()
-
-
 def test_unknown_key_in_config_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "configs/tiny.yaml").read_text() + "\ntrain:\n  lr_typo: 1\n")
