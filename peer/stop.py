@@ -5,6 +5,8 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
+import time
+
 from hivemind.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -15,15 +17,20 @@ logger = get_logger(__name__)
 
 class StopOnSignal:
     """Context manager: the first SIGINT/SIGTERM asks the trainer to stop after the current step;
-    a second one interrupts immediately.
+    a second one interrupts immediately — unless it comes within `same_request_s` of the first: under torchrun a
+    terminal's Ctrl-C reaches each worker twice at once (from the terminal, and forwarded by torchrun's agent),
+    which is one request to stop, not an impatient second one.
 
     It may be entered before the trainer exists (`attach` it later): a signal during start-up is then held and
     the trainer stops before its first step, so start-up still ends in a clean shutdown.
     """
 
+    same_request_s = 2.0
+
     def __init__(self, trainer: "Trainer | None" = None):
         self.trainer = trainer
         self.requested = False
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
         self._pid = os.getpid()
 
@@ -41,8 +48,10 @@ class StopOnSignal:
             os.kill(os.getpid(), signum)
             return
         if self.requested:
+            if time.monotonic() - self._first_at < self.same_request_s:
+                return
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self._first_at = True, time.monotonic()
         prefix = f"[{self.trainer.log_prefix}] " if self.trainer is not None else ""
         logger.info(f"{prefix}{signal.Signals(signum).name} received: finishing the current step, then checkpoint "
                     f"and exit (again to abort)")

@@ -191,6 +191,30 @@ def test_two_process_peer_in_a_swarm_with_a_one_process_peer(tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_stops_every_process_after_the_same_step_with_a_checkpoint(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole group, so each worker gets it from the terminal and again from
+    torchrun's agent at once. That is one request: every rank finishes the same step, rank 0 checkpoints it."""
+    run_dir = tmp_path / "run"
+    log = tmp_path / "peer.log"
+    proc = _start(_torchrun(*TINY, "--run-dir", str(run_dir), "--sync-every", "0", "--max-steps", "100000",
+                            "--set", "train.log_every=1", "--set", "train.checkpoint_every=100000"), log)
+    try:
+        deadline = time.time() + 240
+        while "step 3/" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        proc.wait(timeout=120)
+        text = log.read_text()
+        stopped = re.findall(r"\[spes-tiny (\S+(?: 1)?)\] stop requested: finished step (\d+)", text)
+        assert len(stopped) == 2 and stopped[0][1] == stopped[1][1], text[-3000:]
+        assert "aborted by a second interrupt" not in text, text[-3000:]
+        _, meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+        assert meta["step"] == int(stopped[0][1]) and len(meta["data_ranks"]) == 1, meta
+    finally:
+        _end([proc])
+
+
+@pytest.mark.slow
 def test_rank0_start_failure_stops_every_process_in_one_line(tmp_path):
     """A failure only rank 0 can meet (here: the metrics port is taken): the other rank waits for rank 0's start
     message; it must get the error and exit too, not hang."""
