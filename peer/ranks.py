@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -153,8 +154,15 @@ class PeerRanks:
         keys = sorted(parts)
         sizes = [p.numel() for p in params]
         total = sum(sizes)
-        present_P = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        # `params` must come in the same order on every rank (the model's, not the optimizer's: ownership changes
+        # append to the optimizer's groups in the order they happened). The layout's hash rides along, as h and
+        # -h under MAX, so every rank learns whether all agree and none sums another's slice into its own.
+        layout = zlib.crc32(json.dumps(sizes).encode()) & 0x3FFFFFFF
+        present_P = torch.tensor([p.grad is not None for p in params] + [layout, -layout], dtype=torch.int32)
         dist.all_reduce(present_P, op=dist.ReduceOp.MAX)
+        if int(present_P[-2]) != -int(present_P[-1]):
+            raise RankError("the processes of this peer hold different trainable parameters (a missed ownership "
+                            "change)")
         flat_X = torch.zeros(total + len(keys), dtype=torch.float32, device=self.device)
         offset = 0
         for p, n in zip(params, sizes):
@@ -166,7 +174,7 @@ class PeerRanks:
         dist.all_reduce(flat_X)
         flat_X /= self.world_size
         offset = 0
-        for p, n, has in zip(params, sizes, present_P.tolist()):
+        for p, n, has in zip(params, sizes, present_P[:len(params)].tolist()):
             if has:
                 grad = flat_X[offset:offset + n].view_as(p).to(p.dtype)
                 if p.grad is None:
@@ -266,17 +274,19 @@ class PeerRanks:
         trainer.tokens, trainer.rounds = int(header["tokens"]), int(header["rounds"])
 
     def check_identical(self, trainer: "Trainer") -> None:
-        """At the end of a run: every rank's model is the leader's (sums over every tensor, compared exactly),
-        else RankError — the gradient averaging or a state broadcast missed something."""
-        total = torch.zeros(2, dtype=torch.float64)
+        """At the end of a run: every rank's model is the leader's (per-tensor sums and sums of squares, compared
+        exactly), else RankError naming the tensors that differ — the gradient averaging or a state broadcast
+        missed something."""
+        sums = {}
         with torch.no_grad():
-            for tensor in trainer.model.state_dict().values():
+            for name, tensor in trainer.model.state_dict().items():
                 t = tensor.detach().double()
-                total += torch.stack([t.sum(), (t * t).sum()]).cpu()
-        sums = self.gather_json(total.tolist())
-        if any(s != sums[0] for s in sums):
-            raise RankError(f"the {self.world_size} processes of this peer ended with different models "
-                               f"(parameter sums {sums})")
+                sums[name] = [float(t.sum()), float((t * t).sum())]
+        every = self.gather_json(sums)
+        differ = sorted({name for other in every[1:] for name in sums if other.get(name) != every[0].get(name)})
+        if differ:
+            raise RankError(f"the {self.world_size} processes of this peer ended with different models: "
+                            f"{len(differ)} tensor(s) differ, e.g. {', '.join(differ[:4])}")
         if self.leader:
             logger.info(f"[{trainer.log_prefix}] the {self.world_size} processes of this peer hold the same model")
 

@@ -310,6 +310,9 @@ class Trainer:
             self.tokens += batch.shape[0] * (batch.shape[1] - 1) * self.world_size
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.ranks is not None:
+            # In the model's order, the same on every rank (the optimizer's follows this rank's ownership history;
+            # the gradient norm's sum in another order differs in its last bits, and so would every update).
+            params = [p for p in self.model.parameters() if p.requires_grad]
             # Before the finite check: the mean loss is the same on every rank, so they all skip or all step.
             totals = self.ranks.average_gradients(params, totals)
         if not readback:

@@ -156,6 +156,19 @@ def test_two_process_peer_trains_alone_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_copies_stay_identical_after_ownership_changed_before_the_first_step(tmp_path):
+    """Alone in a new swarm, rank 0 adopts every expert at join, after its optimizer was built: its optimizer
+    lists the parameters in another order than rank 1's. No round comes before the end (every 100), so only
+    order-independent steps keep the copies equal (the gradient norm summed in optimizer order did not)."""
+    proc = subprocess.run(_torchrun(*TINY, "--run-dir", str(tmp_path / "run"), "--sync-every", "100",
+                                    "--max-steps", "5", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"),
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "alone in the run: training experts [0, 1, 2, 3]" in proc.stderr, proc.stderr[-3000:]
+    assert "the 2 processes of this peer hold the same model" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_two_process_peer_in_a_swarm_with_a_one_process_peer(tmp_path):
     common = (*TINY, "--run-id", "ranks-swarm", "--max-steps", "40", "--sync-every", "10",
               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--set", "sync.matchmaking_time=2",
