@@ -4,7 +4,11 @@ test) that the sync tests share."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,3 +105,71 @@ def swarm_factory():
                 peer.shutdown()
             except Exception:
                 pass
+
+
+# ---- whole processes ---------------------------------------------------------------------------------------
+
+class ProcessLauncher:
+    """Starts whole process trees for one test (`peer.run`, torchrun, bootstrap nodes) and reaps them after it.
+
+    Each tree gets its own session (so the whole group can be signalled or killed, as a terminal would) and a
+    marker in its environment that every descendant inherits, p2pd daemons included: `p2pd_alive()` finds the
+    daemons this test started and no one else's."""
+
+    def __init__(self) -> None:
+        self.marker = ("SPES_TEST_PROCS", uuid.uuid4().hex)
+        self.env = dict(os.environ, **{self.marker[0]: self.marker[1]})
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], log: Path | None = None, **kwargs) -> subprocess.Popen:
+        """`cmd` in the repository root; output to `log` (stdout and stderr together) or to pipes; `kwargs`
+        override Popen's arguments (not the session or the environment's marker)."""
+        out = open(log, "w") if log is not None else subprocess.PIPE
+        options = dict(cwd=REPO, stdout=out, stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
+                       text=True)
+        options.update(kwargs)
+        env = dict(options.pop("env", None) or self.env, **{self.marker[0]: self.marker[1]})
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, **options)
+        if log is not None:
+            out.close()  # the child holds its own descriptor
+        self.procs.append(proc)
+        return proc
+
+    def p2pd_alive(self) -> set[str]:
+        """PIDs of p2pd daemons started under this launcher that are still alive."""
+        found = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout.split()
+        tag = f"{self.marker[0]}={self.marker[1]}".encode()
+        mine = set()
+        for pid in found:
+            try:
+                if tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    mine.add(pid)
+            except OSError:  # exited meanwhile
+                pass
+        return mine
+
+    def reap(self, p2pd_grace_s: float = 15.0) -> set[str]:
+        """Kill every group still running, wait for them, and give their p2pd daemons (which die with their
+        parents) `p2pd_grace_s` to go; returns the daemons left, which is a leak."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=60)
+        deadline = time.time() + p2pd_grace_s
+        while self.p2pd_alive() and time.time() < deadline:
+            time.sleep(0.5)
+        return self.p2pd_alive()
+
+
+@pytest.fixture
+def processes():
+    """A `ProcessLauncher` whose trees are all gone after the test, p2pd daemons included (a leak fails it)."""
+    launcher = ProcessLauncher()
+    try:
+        yield launcher
+    finally:
+        left = launcher.reap()
+    assert not left, f"p2pd daemons left behind: {sorted(left)}"

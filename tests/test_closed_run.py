@@ -99,7 +99,7 @@ def test_revoked_peer_is_dropped_while_the_run_is_live(closed_swarm):
 
 
 @pytest.mark.slow
-def test_closed_run_as_processes(tmp_path):
+def test_closed_run_as_processes(tmp_path, processes):
     """`python -m dht_bootstrap --organizer-key` + two ticketed `peer.run` peers + a stranger `peer.run` given only
     the initial peer's address: the admitted peers average with each other in every round, the stranger with
     nobody, and everyone exits 0."""
@@ -108,14 +108,13 @@ def test_closed_run_as_processes(tmp_path):
     import subprocess
 
     from sync.admission import encode_signed
-    from tests.conftest import REPO, peer_cmd
-    from tests.test_e2e import ENV, _p2pd_pids
+    from tests.conftest import peer_cmd
 
     key = str(tmp_path / "org.key")
     public = generate_organizer_key(key)
-    boot = subprocess.Popen([*peer_cmd()[:2], "dht_bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id",
-                             "closed", "--num-experts", "4", "--organizer-key", public], cwd=REPO, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The fixture reaps every process this test starts and fails it on a p2pd daemon left behind.
+    boot = processes.start([*peer_cmd()[:2], "dht_bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id",
+                            "closed", "--num-experts", "4", "--organizer-key", public], stderr=subprocess.STDOUT)
     procs: list[subprocess.Popen] = []
     try:
         initial = None
@@ -131,18 +130,23 @@ def test_closed_run_as_processes(tmp_path):
             identity = str(tmp_path / f"{name}.id")
             ticket = tmp_path / f"{name}.ticket"
             ticket.write_text(encode_signed(sign_ticket(key, "closed", peer_id_from_identity(identity, create=True), 1)))
-            procs.append(subprocess.Popen(peer_cmd(*common, "--run-dir", str(tmp_path / name), "--identity-path",
-                                                   identity, "--organizer-key", public, "--ticket", str(ticket),
-                                                   "--set", "sync.wait_for_peers=2"),
-                                          cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(processes.start(peer_cmd(*common, "--run-dir", str(tmp_path / name), "--identity-path",
+                                                  identity, "--organizer-key", public, "--ticket", str(ticket),
+                                                  "--set", "sync.wait_for_peers=2", "--max-steps", "60"),
+                                         log=tmp_path / f"{name}.log"))
+        # The stranger knocks only once a and b train: started with them, it once finished its whole run (no
+        # ticket checks, no wait for peers) before they began, and nobody had a door to refuse it at.
+        deadline = time.time() + 120
+        while not all("training on" in (tmp_path / f"{n}.log").read_text() for n in "ab"):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), "a and b did not start training"
+            time.sleep(0.2)
         # The stranger's all-reduce finds no group and fails at its round timeout before it asks for experts
         # (the copies follow the all-reduce): a short timeout gets it to the expert door while a and b still run.
-        procs.append(subprocess.Popen(peer_cmd(*common, "--run-dir", str(tmp_path / "stranger"),
-                                               "--set", "sync.round_timeout=5"), cwd=REPO, env=ENV,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outputs = [p.communicate(timeout=300)[1] for p in procs]
-        for name, err in zip(("a", "b", "stranger"), outputs):
-            (tmp_path / f"{name}.log").write_text(err)
+        procs.append(processes.start(peer_cmd(*common, "--run-dir", str(tmp_path / "stranger"),
+                                              "--set", "sync.round_timeout=5"), log=tmp_path / "stranger.log"))
+        for p in procs:
+            p.wait(timeout=300)
+        outputs = [(tmp_path / f"{name}.log").read_text() for name in ("a", "b", "stranger")]
         for p, err in zip(procs, outputs):
             assert p.returncode == 0, err[-3000:]
         refused = {}
@@ -161,16 +165,8 @@ def test_closed_run_as_processes(tmp_path):
         synced = re.findall(r"experts synced (\d+)", outputs[2])
         assert synced and set(synced) == {"0"}, outputs[2][-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         boot.terminate()
         try:
             boot.wait(timeout=30)
         except subprocess.TimeoutExpired:
             boot.kill()
-    deadline = time.time() + 15
-    while _p2pd_pids() and time.time() < deadline:
-        time.sleep(0.5)
-    assert not _p2pd_pids(), "p2pd daemons left behind"

@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from model.checkpoint import latest_checkpoint, load_checkpoint
-from tests.conftest import REPO, peer_cmd
+from tests.conftest import REPO, ProcessLauncher, peer_cmd
 
 TINY = ("--config", "configs/tiny.yaml", "--set", "train.eval_every=0")
 
@@ -34,17 +34,11 @@ def _torchrun(*args: str, nproc: int = 2) -> list[str]:
             "-m", "peer.run", *args]
 
 
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    # Its own session: the whole tree (torchrun, its workers, their DHT processes) can be ended as one group.
-    return subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _end(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+def _run(processes: ProcessLauncher, cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`cmd` to its end under the test's launcher (its whole tree is reaped whatever happens)."""
+    proc = processes.start(cmd)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 # ---- the collectives, in two real processes ----------------------------------------------------------------
@@ -125,15 +119,73 @@ def test_deferred_readback_skips_a_bad_step_on_every_rank(tmp_path):
         assert res["adam_steps"] == [7.0]  # 8 loop steps, one skipped by fused AdamW on both ranks
 
 
+def _leader_changes_worker(rank: int, port: int, run_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    from peer.callbacks import Callback
+    from peer.config import load_config
+    from peer.ranks import PeerRanks
+    from peer.train import Trainer
+    cfg = load_config(REPO / "configs/tiny.yaml", [{"run_dir": run_dir, "sync": {"every": 0, "experts": "0,1"},
+                                                    "train": {"max_steps": 6, "log_every": 0, "eval_every": 0,
+                                                              "checkpoint_every": 0}}])
+
+    class LeaderOnly(Callback):
+        """What the sync callback does on rank 0 alone: at step 2 it changes the model outside the optimizer
+        and takes over an expert (a round applied, an adoption); on a NaN loss it restores a state (rollback)."""
+
+        def post_step(self, trainer):
+            if trainer.step == 2:
+                with torch.no_grad():
+                    trainer.model.lm.model.embed_tokens.weight.mul_(0.5)
+                trainer.set_owned_experts([0, 1, 2])
+
+        def on_nonfinite(self, trainer, loss):
+            with torch.no_grad():
+                trainer.model.lm.model.norm.weight.fill_(1.25)
+            return True
+
+    ranks = PeerRanks(rank, rank, 2, device_kind="cpu")
+    try:
+        trainer = Trainer(cfg, data_seed=ranks.rank_data_seed(0), ranks=ranks)
+        ranks.sync_state(trainer, initial=True)
+        if rank == 0:
+            trainer.add_callback(LeaderOnly())
+        forward, poisoned_once = trainer.model.forward, []
+
+        def poisoned(*args, **kwargs):  # rank 1 alone gets a NaN loss once, at step 4 (read back on CPU)
+            out = forward(*args, **kwargs)
+            if rank == 1 and trainer.step == 3 and not poisoned_once:
+                poisoned_once.append(True)
+                out.logits = out.logits * float("nan")
+            return out
+        trainer.model.forward = poisoned
+        trainer.run()  # ends with check_identical: RankError if the two copies differ
+        Path(out, f"{rank}.json").write_text(json.dumps({
+            "step": trainer.step, "owned": sorted(trainer.model.owned_experts),
+            "norm": float(trainer.model.lm.model.norm.weight.detach().mean())}))
+    finally:
+        ranks.shutdown()
+
+
+def test_what_rank0_changes_outside_the_optimizer_reaches_every_rank(tmp_path):
+    """Rank 0 alone changes weights and ownership in a callback and restores a state after a NaN that only rank 1
+    saw: rank 1 follows both (same ownership, same values: the run's final identity check passes)."""
+    mp.start_processes(_leader_changes_worker, args=(_free_port(), str(tmp_path / "run"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1], results
+    assert results[0]["step"] == 6 and results[0]["owned"] == [0, 1, 2]
+
+
 # ---- whole peers -----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_process_peer_trains_alone_and_resumes(tmp_path):
+def test_two_process_peer_trains_alone_and_resumes(tmp_path, processes):
     run_dir = tmp_path / "run"
     common = (*TINY, "--run-dir", str(run_dir), "--sync-every", "0", "--set", "train.checkpoint_every=10",
               "--set", "train.log_every=5")
-    proc = subprocess.run(_torchrun(*common, "--max-steps", "20"), cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = _run(processes, _torchrun(*common, "--max-steps", "20"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the 2 processes of this peer hold the same model" in proc.stderr, proc.stderr[-3000:]
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -146,8 +198,7 @@ def test_two_process_peer_trains_alone_and_resumes(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "step_00000010.safetensors", "step_00000020.safetensors"]
 
-    proc = subprocess.run(_torchrun(*common, "--max-steps", "30"), cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = _run(processes, _torchrun(*common, "--max-steps", "30"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "the checkpoint holds the data positions" not in proc.stderr
     assert "the 2 processes of this peer hold the same model" in proc.stderr, proc.stderr[-3000:]
@@ -156,87 +207,78 @@ def test_two_process_peer_trains_alone_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_copies_stay_identical_after_ownership_changed_before_the_first_step(tmp_path):
+def test_copies_stay_identical_after_ownership_changed_before_the_first_step(tmp_path, processes):
     """Alone in a new swarm, rank 0 adopts every expert at join, after its optimizer was built: its optimizer
     lists the parameters in another order than rank 1's. No round comes before the end (every 100), so only
     order-independent steps keep the copies equal (the gradient norm summed in optimizer order did not)."""
-    proc = subprocess.run(_torchrun(*TINY, "--run-dir", str(tmp_path / "run"), "--sync-every", "100",
-                                    "--max-steps", "5", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"),
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _run(processes, _torchrun(*TINY, "--run-dir", str(tmp_path / "run"), "--sync-every", "100",
+                                     "--max-steps", "5", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "alone in the run: training experts [0, 1, 2, 3]" in proc.stderr, proc.stderr[-3000:]
     assert "the 2 processes of this peer hold the same model" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_two_process_peer_in_a_swarm_with_a_one_process_peer(tmp_path):
+def test_two_process_peer_in_a_swarm_with_a_one_process_peer(tmp_path, processes):
     common = (*TINY, "--run-id", "ranks-swarm", "--max-steps", "40", "--sync-every", "10",
               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--set", "sync.matchmaking_time=2",
               "--set", "sync.round_timeout=30", "--set", "sync.max_peer_processes=2")
-    procs: list[subprocess.Popen] = []
     logs = [tmp_path / "one.log", tmp_path / "two.log"]
-    try:
-        procs.append(_start(peer_cmd(*common, "--run-dir", str(tmp_path / "one"), "--set", "sync.wait_for_peers=2"),
-                            logs[0]))
-        deadline, maddr = time.time() + 120, None
-        while maddr is None and time.time() < deadline and procs[0].poll() is None:
-            match = re.search(r"initial peer: (\S+)", logs[0].read_text())
-            maddr = match.group(1) if match else time.sleep(0.5)
-        assert maddr, logs[0].read_text()[-3000:]
-        procs.append(_start(_torchrun(*common, "--run-dir", str(tmp_path / "two"), "--initial-peers", maddr),
-                            logs[1]))
-        for proc in procs:
-            proc.wait(timeout=400)
-        one, two = (log.read_text() for log in logs)
-        assert procs[0].returncode == 0, one[-3000:]
-        assert procs[1].returncode == 0, two[-3000:]
-        # Both peers averaged with each other; the 2-process peer is one peer (its weight not refused as an
-        # outlier: the run allows 2 processes per peer) and its two processes ended identical.
-        for log in (one, two):
-            assert re.search(r"round \d+ applied at step \d+: shared group 2", log), log[-3000:]
-            assert not re.search(r"rejected [1-9]", log), log[-3000:]
-        assert "the 2 processes of this peer hold the same model" in two, two[-3000:]
-        assert two.count("initial peer:") == 1  # rank 0 alone joined the DHT
-        records = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-        assert records[-1]["step"] == 40 and records[-1]["tokens"] == 40 * 2 * 8 * 64, records[-1]
-    finally:
-        _end(procs)
+    procs = [processes.start(peer_cmd(*common, "--run-dir", str(tmp_path / "one"), "--set", "sync.wait_for_peers=2"),
+                             logs[0])]
+    deadline, maddr = time.time() + 120, None
+    while maddr is None and time.time() < deadline and procs[0].poll() is None:
+        match = re.search(r"initial peer: (\S+)", logs[0].read_text())
+        maddr = match.group(1) if match else time.sleep(0.5)
+    assert maddr, logs[0].read_text()[-3000:]
+    procs.append(processes.start(_torchrun(*common, "--run-dir", str(tmp_path / "two"), "--initial-peers", maddr),
+                                 logs[1]))
+    for proc in procs:
+        proc.wait(timeout=400)
+    one, two = (log.read_text() for log in logs)
+    assert procs[0].returncode == 0, one[-3000:]
+    assert procs[1].returncode == 0, two[-3000:]
+    # Both peers averaged with each other; the 2-process peer is one peer (its weight not refused as an outlier:
+    # the run allows 2 processes per peer) and its two processes ended identical.
+    for log in (one, two):
+        assert re.search(r"round \d+ applied at step \d+: shared group 2", log), log[-3000:]
+        assert not re.search(r"rejected [1-9]", log), log[-3000:]
+    assert "the 2 processes of this peer hold the same model" in two, two[-3000:]
+    assert two.count("initial peer:") == 1  # rank 0 alone joined the DHT
+    records = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 40 and records[-1]["tokens"] == 40 * 2 * 8 * 64, records[-1]
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_process_after_the_same_step_with_a_checkpoint(tmp_path):
+def test_ctrl_c_stops_every_process_after_the_same_step_with_a_checkpoint(tmp_path, processes):
     """Ctrl-C in a terminal: SIGINT to the whole group, so each worker gets it from the terminal and again from
     torchrun's agent at once. That is one request: every rank finishes the same step, rank 0 checkpoints it."""
     run_dir = tmp_path / "run"
     log = tmp_path / "peer.log"
-    proc = _start(_torchrun(*TINY, "--run-dir", str(run_dir), "--sync-every", "0", "--max-steps", "100000",
-                            "--set", "train.log_every=1", "--set", "train.checkpoint_every=100000"), log)
-    try:
-        deadline = time.time() + 240
-        while "step 3/" not in log.read_text() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
-        proc.wait(timeout=120)
-        text = log.read_text()
-        stopped = re.findall(r"\[spes-tiny (\S+(?: 1)?)\] stop requested: finished step (\d+)", text)
-        assert len(stopped) == 2 and stopped[0][1] == stopped[1][1], text[-3000:]
-        assert "aborted by a second interrupt" not in text, text[-3000:]
-        _, meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
-        assert meta["step"] == int(stopped[0][1]) and len(meta["data_ranks"]) == 1, meta
-    finally:
-        _end([proc])
+    proc = processes.start(_torchrun(*TINY, "--run-dir", str(run_dir), "--sync-every", "0", "--max-steps", "100000",
+                                      "--set", "train.log_every=1", "--set", "train.checkpoint_every=100000"), log)
+    deadline = time.time() + 240
+    while "step 3/" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+    proc.wait(timeout=120)
+    text = log.read_text()
+    stopped = re.findall(r"\[spes-tiny (\S+(?: 1)?)\] stop requested: finished step (\d+)", text)
+    assert len(stopped) == 2 and stopped[0][1] == stopped[1][1], text[-3000:]
+    assert "aborted by a second interrupt" not in text, text[-3000:]
+    _, meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert meta["step"] == int(stopped[0][1]) and len(meta["data_ranks"]) == 1, meta
 
 
 @pytest.mark.slow
-def test_rank0_start_failure_stops_every_process_in_one_line(tmp_path):
+def test_rank0_start_failure_stops_every_process_in_one_line(tmp_path, processes):
     """A failure only rank 0 can meet (here: the metrics port is taken): the other rank waits for rank 0's start
     message; it must get the error and exit too, not hang."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = subprocess.run(_torchrun(*TINY, "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port)),
-                              cwd=REPO, capture_output=True, text=True, timeout=240)
+        proc = _run(processes, _torchrun(*TINY, "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port)))
     assert proc.returncode != 0
     assert re.search(rf"error: (metrics )?port {port} is in use", proc.stderr), proc.stderr[-3000:]
     assert re.search(rf"error: rank 0 could not start the peer: (metrics )?port {port} is in use", proc.stderr), \
