@@ -19,6 +19,9 @@ Everything sent between the processes is raw tensors plus JSON headers encoded a
 pickled. The collectives are issued in the same order on every rank by construction (`Trainer.run` calls the
 hooks below at the same points on every rank, and every decision that changes that order is the leader's,
 broadcast first).
+
+Shape suffixes: `_U` the bytes of a JSON payload, `_X` one flat buffer (every trainable gradient, then the loss
+parts), `_P` one entry per trainable parameter (then the two layout words).
 """
 from __future__ import annotations
 

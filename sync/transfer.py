@@ -347,7 +347,10 @@ class ExpertExchange:
             with suppress(Exception):
                 await stream.aclose()
         if meta is None:
-            raise MalformedResponse("empty response stream")
+            # Our server always answers with at least one message: a stream with none lost it on the way (seen
+            # once on a loaded 2-core machine, and the round's merge then missed an expert). Retried once like a
+            # cut-off stream; a peer that keeps answering nothing costs one retry within the same timeout.
+            raise IncompleteResponse("empty response stream")
         return meta, groups
 
     def _collect(self, part: runtime_pb2.Tensor, groups: list[list[runtime_pb2.Tensor]], received: int,
