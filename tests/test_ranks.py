@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,6 +20,10 @@ import torch.multiprocessing as mp
 
 from model.checkpoint import latest_checkpoint, load_checkpoint
 from tests.conftest import REPO, ProcessLauncher, peer_cmd
+
+if TYPE_CHECKING:
+    from peer.ranks import PeerRanks
+    from peer.train import Trainer
 
 TINY = ("--config", "configs/tiny.yaml", "--set", "train.eval_every=0")
 
@@ -41,13 +46,30 @@ def _run(processes: ProcessLauncher, cmd: list[str], timeout: float = 300) -> su
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-# ---- the collectives, in two real processes ----------------------------------------------------------------
-
-def _average_worker(rank: int, port: int, out: str) -> None:
+def _join(rank: int, port: int) -> "PeerRanks":
+    """Rank `rank` of a 2-process group on loopback, as torchrun would set it up (spawned test workers)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     from peer.ranks import PeerRanks
-    ranks = PeerRanks(rank, rank, 2, device_kind="cpu")
+    return PeerRanks(rank, rank, 2, device_kind="cpu")
+
+
+def _tiny_trainer(ranks: "PeerRanks", run_dir: str, experts: str, max_steps: int, **kwargs) -> "Trainer":
+    """The tiny config alone (no swarm, no logs, evals or checkpoints in the loop), state from rank 0."""
+    from peer.config import load_config
+    from peer.train import Trainer
+    cfg = load_config(REPO / "configs/tiny.yaml", [{"run_dir": run_dir, "sync": {"every": 0, "experts": experts},
+                                                    "train": {"max_steps": max_steps, "log_every": 0,
+                                                              "eval_every": 0, "checkpoint_every": 0}}])
+    trainer = Trainer(cfg, data_seed=ranks.rank_data_seed(0), ranks=ranks, **kwargs)
+    ranks.sync_state(trainer, initial=True)
+    return trainer
+
+
+# ---- the collectives, in two real processes ----------------------------------------------------------------
+
+def _average_worker(rank: int, port: int, out: str) -> None:
+    ranks = _join(rank, port)
     try:
         torch.manual_seed(0)
         both, only_rank0, nobody = (torch.nn.Parameter(torch.zeros(3, 2)) for _ in range(3))
@@ -80,19 +102,10 @@ def test_gradients_are_averaged_and_none_only_where_no_rank_had_one(tmp_path):
 
 
 def _deferred_worker(rank: int, port: int, run_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    from peer.config import load_config
-    from peer.ranks import PeerRanks
-    from peer.train import Trainer
-    cfg = load_config(REPO / "configs/tiny.yaml", [{"run_dir": run_dir, "sync": {"every": 0, "experts": "all"},
-                                                    "train": {"max_steps": 8, "log_every": 0, "eval_every": 0,
-                                                              "checkpoint_every": 0}}])
-    ranks = PeerRanks(rank, rank, 2, device_kind="cpu")
+    ranks = _join(rank, port)
     try:
         # The GPU mode on CPU: the loss stays a tensor between readbacks and fused AdamW skips a bad step itself.
-        trainer = Trainer(cfg, data_seed=ranks.rank_data_seed(0), ranks=ranks, deferred_readback=True)
-        ranks.sync_state(trainer, initial=True)
+        trainer = _tiny_trainer(ranks, run_dir, "all", 8, deferred_readback=True)
         forward = trainer.model.forward
 
         def poisoned(*args, **kwargs):  # rank 1 alone gets a NaN loss at step 4, a step nobody reads back
@@ -120,15 +133,7 @@ def test_deferred_readback_skips_a_bad_step_on_every_rank(tmp_path):
 
 
 def _leader_changes_worker(rank: int, port: int, run_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
     from peer.callbacks import Callback
-    from peer.config import load_config
-    from peer.ranks import PeerRanks
-    from peer.train import Trainer
-    cfg = load_config(REPO / "configs/tiny.yaml", [{"run_dir": run_dir, "sync": {"every": 0, "experts": "0,1"},
-                                                    "train": {"max_steps": 6, "log_every": 0, "eval_every": 0,
-                                                              "checkpoint_every": 0}}])
 
     class LeaderOnly(Callback):
         """What the sync callback does on rank 0 alone: at step 2 it changes the model outside the optimizer
@@ -145,10 +150,9 @@ def _leader_changes_worker(rank: int, port: int, run_dir: str, out: str) -> None
                 trainer.model.lm.model.norm.weight.fill_(1.25)
             return True
 
-    ranks = PeerRanks(rank, rank, 2, device_kind="cpu")
+    ranks = _join(rank, port)
     try:
-        trainer = Trainer(cfg, data_seed=ranks.rank_data_seed(0), ranks=ranks)
-        ranks.sync_state(trainer, initial=True)
+        trainer = _tiny_trainer(ranks, run_dir, "0,1", 6)
         if rank == 0:
             trainer.add_callback(LeaderOnly())
         forward, poisoned_once = trainer.model.forward, []
