@@ -236,6 +236,7 @@ class PeerNode:
             since = trainer.tokens - self._tokens_at_shared
             self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
             self.sync.shared_round(trainer.step, since)
+        self.sync.note_step(trainer.step - self._step_at_round)  # step time, and when its next round is due
         self.blocked_seconds += time.perf_counter() - start
 
     def _finish(self, trainer: Trainer) -> None:
@@ -245,14 +246,15 @@ class PeerNode:
         self.blocked_seconds += time.perf_counter() - start
         wall = time.perf_counter() - self._started
         logger.info(f"[{self.cfg.run_id} {self.short_id}] sync blocked the training loop {self.blocked_seconds:.2f}s "
-                    f"of {wall:.1f}s ({100 * self.blocked_seconds / max(wall, 1e-9):.1f}%)")
+                    f"of {wall:.1f}s ({100 * self.blocked_seconds / max(wall, 1e-9):.1f}%); trained {self.sync.held_steps} "
+                    f"step(s) in {self.sync.held_rounds} round(s) while a later peer got ready (sync.start_together)")
 
     def _sync_fields(self, trainer: Trainer) -> dict:
         """Extra metrics.jsonl fields of a syncing peer (the benchmarks read them)."""
         return {"bytes_sent": self.sync.bytes_sent(), "bytes_received": self.sync.bytes_received(),
                 "blocked_s": self.blocked_seconds, "rejected": self.sync.rejects.counts(),
                 "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone,
-                "deferred_rounds": self.sync.deferred_rounds}
+                "deferred_rounds": self.sync.deferred_rounds, "held_steps": self.sync.held_steps}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""

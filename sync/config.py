@@ -57,6 +57,10 @@ class SyncConfig:
     # peer's (it is slower than they are): it joins their round with the tokens it trained, weighted by them,
     # instead of holding their group up or averaging alone later (sync.progress).
     follow_swarm: bool = True
+    # A peer that reached `every` steps keeps training (at most every/2 more steps) while another live peer
+    # expects to be ready for the same round later, and starts at the step boundary nearest that time: the
+    # round's group forms at once instead of the first arrivals waiting, blocked, for the last (sync.schedule).
+    start_together: bool = True
     # The most processes one peer may span (`torchrun --nproc-per-node K`, SPEC 3a): every peer caps another's
     # all-reduce weight at this many processes' tokens per round (a claimed weight of 1e9 counts as that much,
     # docs/DESIGN.md "Hostile peers"). A K-process peer in a run where this is below K is counted as this many

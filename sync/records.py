@@ -56,7 +56,9 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # claims: experts a joiner (owning none yet) means to take (sync.swarm.Swarm.choose_auto).
 # origin: [machine hash, PID] of the publishing process (sync.swarm.process_origin).
 # left: in a clean leave's tombstone (no experts), the experts the peer owned (sync.ownership adopts them at once).
-_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin", "left"}
+# due: [round, DHT time] when the peer expects to be ready to start that round (sync.schedule).
+_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin", "left", "due"}
+MAX_DUE_TIME = 2.0 ** 34  # seconds since the epoch: year 2514; readers bound it by their own clock (sync.schedule)
 
 
 def peers_key(run_id: str) -> str:
@@ -103,6 +105,12 @@ def _expert_list(experts: Any, num_experts: int) -> bool:
             and all(type(e) is int and 0 <= e < num_experts for e in experts))
 
 
+def is_due(due: Any) -> bool:
+    """A record's `due` field: [round, DHT time in seconds], both in range (a NaN is not: nan <= x is False)."""
+    return (isinstance(due, list) and len(due) == 2 and type(due[0]) is int and 0 <= due[0] <= MAX_ROUND
+            and type(due[1]) in (int, float) and 0 <= due[1] <= MAX_DUE_TIME)
+
+
 def check_record_payload(value: Any, num_experts: int) -> bool:
     """The exact schema of a peer record's payload (see sync.swarm.PeerRecord.to_value)."""
     if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | _OPTIONAL_FIELDS:
@@ -124,6 +132,8 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
     origin = value.get("origin", [0, 0])
     if not (isinstance(origin, list) and len(origin) == 2 and isinstance(origin[0], (str, int))
             and len(str(origin[0])) <= 16 and type(origin[1]) is int and 0 <= origin[1] < 2 ** 32):
+        return False
+    if "due" in value and not is_due(value["due"]):
         return False
     for name, bound in (("round", MAX_ROUND), ("step", MAX_STEP), ("tokens", MAX_TOKENS)):
         if type(value[name]) is not int or not 0 <= value[name] <= bound:

@@ -50,6 +50,7 @@ from sync.merge import merge_alpha, merge_due
 from sync.shared import SharedAverager
 from sync.ownership import Ownership
 from sync.progress import SwarmProgress
+from sync.schedule import Scheduling
 from sync.report import RoundReport, _Pending
 from sync.swarm import PeerRecord, Swarm, median_round
 from sync.transfer import ExpertExchange
@@ -82,7 +83,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds):
+class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds, Scheduling):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, rejects: RejectCounter | None = None,
@@ -140,6 +141,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         # (sync/fetch.py, sync/leave.py).
         self.handed_over: dict[int, dict[str, torch.Tensor]] = {}
         self._init_leave_handoff()
+        self._init_scheduling()
         self.progress.on_read = self._watch_leavers
 
     # ---- joining ------------------------------------------------------------------------------------------
@@ -149,7 +151,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         `alone_takes_all` (--experts auto): a run's first peer, alone, takes care of every expert its budget
         allows (sync.ownership). `take_over_moments` (a peer without optimizer state of its own): fetch the
         optimizer moments of its experts that others train now (handed_over, sync/fetch.py)."""
-        if self.cfg.follow_swarm:
+        if self.cfg.follow_swarm or self.cfg.start_together:
             self.progress.start()
         self.swarm.record.budget = self.max_owned  # stored with the record below: others count its room by it
         others = self._others()
@@ -203,47 +205,6 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         return snapshots
 
     # ---- rounds -------------------------------------------------------------------------------------------
-
-    def round_due(self, steps_since_round: int) -> bool:
-        """Start a round now? After `sync.every` local steps, or earlier (but after at least every/10 steps, and
-        after training at least as long as its last round took) when the other peers' median round is already
-        past this peer's: it is slower than them, and joins the round they are in with the tokens it trained
-        (sync.progress)."""
-        if steps_since_round >= self.cfg.every:
-            return not self._defer(steps_since_round)
-        if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
-            return False
-        if self._pending is not None and not self._pending.future.done():
-            # Its previous round still runs: an early start would block on it (7 s in bench.wan's slow arm).
-            return False
-        if time.monotonic() - self._last_applied_at < self._last_transfer_seconds:
-            # Its rounds are link-bound (a slow uplink: the last one's transfers took longer than it has trained
-            # since): joining earlier would only make it sync after every step. It keeps the every-H pace. The
-            # transfers, not the whole round: a CPU-slow peer's round is mostly its wait for the group, and
-            # counting that halved its share of the fast peers' rounds (it joined every other one).
-            return False
-        swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5)
-        return swarm_round is not None and swarm_round > self.round_id
-
-    def _defer(self, steps_since_round: int) -> bool:
-        """Keep training past a due round, for at most every/2 extra steps, while the previous one still runs
-        after its group took long to form (longer than the records can lag: two polls of the progress reader +
-        1 s). Such a round waited for a peer that reached it later (rounds are counted in local steps, so the
-        fastest peer laps the others): blocking on it would make this peer wait for them every round; deferred,
-        it trains meanwhile and its rounds follow the swarm's pace. A previous round whose group formed at once
-        and that is still transferring (rounds longer than H steps on a slow link or a small model) is waited
-        for as before: deferring then would only stretch H for everyone (docs/DESIGN.md, "Bandwidth-aware
-        rounds")."""
-        pending = self._pending
-        if pending is None or pending.future.done() or self._leaving or self.follower:
-            return False
-        if steps_since_round >= self.cfg.every + max(1, self.cfg.every // 2):
-            return False
-        if not self._deferring:  # decided once per due round, then until the previous round is applied
-            self._deferring = self.shared.group_wait() > 2 * self.progress.poll + 1.0
-            if self._deferring:
-                self.deferred_rounds += 1
-        return self._deferring
 
     def round(self, step: int, tokens: int, tokens_since_last: int) -> RoundReport:
         """A whole round, blocking (start + finish)."""
@@ -485,7 +446,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         says so and the others do not adopt its experts: Swarm.finish), stop the averager, the exchange and the
         DHT."""
         had_others = bool(self.progress.others())
-        closers = [self.progress.stop, self.shared.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
+        closers = [self._stop_scheduling, self.progress.stop, self.shared.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
         # A clean leave (not a finished run): tombstone first, then its experts' moments to their adopters, while
         # the exchange still serves (sync/leave.py), within the stop budget counted from leave_soon().
         closers += [lambda: self._hand_over_on_leave(had_others, self._leave_at + STOP_GRACE + 1.0)] if not finished else []

@@ -24,7 +24,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, peers_key, revoked_key
+from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_due, peers_key, revoked_key
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
 from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs
 
@@ -62,6 +62,9 @@ class PeerRecord:
     # A clean leave's tombstone (experts empty): the experts it owned until then. The peers that saw it own them
     # adopt them on this one read instead of two (sync.ownership), so a leave is covered within one round.
     left: list[int] = field(default_factory=list)
+    # [round, DHT time]: when this peer expects to be ready to start that round (sync.schedule: the others keep
+    # training until the last of them is, so a round's group forms at once). Empty: no estimate.
+    due: list = field(default_factory=list)
 
     def to_value(self) -> dict[str, Any]:
         value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
@@ -82,6 +85,8 @@ class PeerRecord:
             value["origin"] = list(self.origin)
         if self.left and not self.experts:
             value["left"] = sorted(self.left)
+        if self.due:
+            value["due"] = [int(self.due[0]), float(self.due[1])]
         return value
 
     def room(self, num_experts: int) -> int:
@@ -121,10 +126,13 @@ class PeerRecord:
         if not isinstance(left, list) or not all(type(e) is int and 0 <= e < num_experts for e in left) or (
                 left and experts):
             return None
+        due = value.get("due", [])
+        if due and not is_due(due):
+            return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
                    follows=value.get("follows") is True, budget=budget, caretaking=sorted(set(caretaking)),
                    finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
-                   left=sorted(set(left)))
+                   left=sorted(set(left)), due=[due[0], float(due[1])] if due else [])
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:
@@ -223,8 +231,11 @@ class Swarm:
             for name, value in changes.items():
                 setattr(self.record, name, sorted(value) if name in ("experts", "caretaking") else value)
             value = self.record.to_value()
+            # Taken under the lock: of two publishes racing (the round's start, the heartbeat, sync.schedule's
+            # estimate), the value built last expires last, and the DHT keeps the latest expiration.
+            expiration = get_dht_time() + self.ttl
         try:
-            self._store(value, get_dht_time() + self.ttl)
+            self._store(value, expiration)
         except TimeoutError:  # the heartbeat stores it again within ttl / 3
             logger.warning("storing this peer's record timed out; the heartbeat retries")
 

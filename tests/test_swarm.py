@@ -457,7 +457,9 @@ def test_record_parsing_refuses_hostile_values():
     assert PeerRecord.from_value("p", {"experts": [1, 0], "round": 2}, 4).experts == [0, 1]
     for bad in (None, [], {"experts": "0"}, {"experts": [9]}, {"experts": [True]}, {"experts": [0], "round": -1},
                 {"experts": [0], "step": 2**70}, {"experts": list(range(5))},
-                {"experts": [0], "left": [1]}, {"experts": [], "left": [7]}, {"experts": [], "left": "0"}):
+                {"experts": [0], "left": [1]}, {"experts": [], "left": [7]}, {"experts": [], "left": "0"},
+                {"experts": [0], "due": [1, float("nan")]}, {"experts": [0], "due": [1, 2.0**60]},
+                {"experts": [0], "due": [-1, 5.0]}, {"experts": [0], "due": ["1", 5.0]}, {"experts": [0], "due": [1]}):
         assert PeerRecord.from_value("p", bad, 4) is None, bad
     # A clean leave's tombstone: no experts, the ones it left; it survives the round trip and the DHT's schema.
     from sync.records import check_record_payload
@@ -466,6 +468,9 @@ def test_record_parsing_refuses_hostile_values():
     value = tombstone.to_value()
     assert PeerRecord.from_value("p", value, 4).left == [0, 2] and check_record_payload(value, 4)
     assert not check_record_payload({**value, "experts": [1]}, 4)
+    timed = PeerRecord("p", [1], round=3, due=[4, 1.7e9])  # sync.schedule's estimate survives it too
+    assert PeerRecord.from_value("p", timed.to_value(), 4).due == [4, 1.7e9] and check_record_payload(timed.to_value(), 4)
+    assert not check_record_payload({**timed.to_value(), "due": [4, float("inf")]}, 4)
 
 
 def test_least_covered_and_adoption_rules_are_deterministic():
@@ -648,6 +653,77 @@ def test_faster_peer_trains_past_a_due_round_the_others_have_not_started(swarm_f
     reports = [p.sync.finish_round(block=True) for p in (fast, slow)]
     assert [r.group_size for r in reports] == [2, 2], reports
     assert fast.sync.round_due(10)  # the previous round is applied: nothing to wait for
+
+
+def _steps(peer: Peer, count: int, seconds: float = 0.02) -> None:
+    """`count` local steps of `seconds` each as the training loop reports them (sync.schedule's step time)."""
+    for step in range(count):
+        time.sleep(seconds)
+        peer.sync.note_step(step)
+
+
+def _wait_for_due(reader: Peer, writer: Peer, timeout: float = 10.0) -> None:
+    """Until `reader`'s background view holds `writer`'s published due estimate for its next round."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = reader.sync.progress.others().get(writer.swarm.peer_id)
+        if record is not None and record.due and record.due[0] == writer.sync.round_id + 1:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the due estimate never reached the other peer")
+
+
+def test_a_peer_due_first_trains_until_the_later_one_is_ready_then_both_start_together(swarm_factory):
+    """sync.start_together: the peer at its due step keeps training while the other expects to be ready later
+    (within every/2 extra steps), starts at the step boundary nearest that time, and both form the group at once."""
+    from hivemind.utils import get_dht_time
+    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0)
+    early, late = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([early, late])
+    _steps(early, 10, seconds=0.3)  # step time 0.3 s: up to 5 extra steps = 1.5 s of holding
+    ready = get_dht_time() + 1.2
+    late.sync._due_publisher.set(late.sync.round_id + 1, ready, tolerance=0.2)  # as note_step publishes it
+    _wait_for_due(early, late)
+    assert not early.sync.round_due(10), "started without the peer due 1.2 s later"
+    assert early.sync.held_steps == 1 and early.sync.held_rounds == 1
+    while not early.sync.round_due(11):
+        assert get_dht_time() < ready, "still holding past the other peer's due time"
+        time.sleep(0.05)
+    assert get_dht_time() >= ready - 0.3 / 2 - 0.05  # the step boundary nearest the due time
+    for peer in (early, late):
+        peer.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)
+    reports = [p.sync.finish_round(block=True) for p in (early, late)]
+    assert [r.group_size for r in reports] == [2, 2], reports
+    assert reports[0].timing["group"] < 1.0, reports[0].timing  # the group formed at once
+
+
+def test_start_together_never_waits_beyond_the_extra_steps_nor_for_a_started_round(swarm_factory):
+    from hivemind.utils import get_dht_time
+    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b])
+    _steps(a, 4, seconds=0.5)
+    # A (lying or much slower) peer due an hour later is not waited for: it joins the swarm's round early.
+    b.sync._due_publisher.set(b.sync.round_id + 1, get_dht_time() + 3600, tolerance=0.2)
+    _wait_for_due(a, b)
+    assert a.sync.round_due(10) and a.sync.held_steps == 0
+    soon = get_dht_time() + 2.0
+    b.sync._due_publisher.set(b.sync.round_id + 1, soon, tolerance=0.2)
+    _wait_for_due(a, b)
+    deadline = time.monotonic() + 10
+    while a.sync.progress.others()[b.swarm.peer_id].due[1] > get_dht_time() + 3000 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert get_dht_time() < soon - 0.5, "the estimate took too long to arrive for this test"
+    assert not a.sync.round_due(10)  # due within 2 s: within the 5 extra steps of 0.5 s
+    assert a.sync.round_due(15), "held past every + every/2 steps"
+    b.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)  # b started the round: join it at once
+    deadline = time.monotonic() + 10
+    while a.sync.progress.others()[b.swarm.peer_id].round <= a.sync.round_id and time.monotonic() < deadline:
+        time.sleep(0.1)
+    b.sync._due_publisher.set(b.sync.round_id + 1, get_dht_time() + 1.0, tolerance=0.2)
+    assert a.sync.round_due(10)
+    a.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)
+    assert [p.sync.finish_round(block=True).group_size for p in (a, b)] == [2, 2]
 
 
 def test_a_lone_liar_cannot_trigger_early_rounds(swarm_factory):

@@ -1,0 +1,203 @@
+"""When a peer starts its next round (docs/DESIGN.md, "Starting a round together").
+
+Rounds are counted in local steps (`sync.every`), so the peers of a run reach a round's boundary at different
+wall-clock times: one finished its previous round later, or trains slower on a shared machine. The first to
+arrive then waited, blocked, for the last one in matchmaking (bench.wan: 0.4-1 s of a 5.6 s round). Instead:
+
+- every peer publishes in its DHT record when it expects to be ready for its next round (`due`: [round, DHT
+  time], from its own median step time), from a background thread, again when the estimate moves by more than a
+  step;
+- a peer that reached `every` steps keeps training while another live peer is due later for the same round,
+  within what it may train past the boundary anyway (every/2 extra steps, as a deferred round); it starts at the
+  step boundary nearest the latest such due time, so the group forms at once and the waiting became training
+  (its all-reduce weight is the tokens it trained, capped as always);
+- a peer that already started the round (its record says so) is joined at once; a due time beyond the extra
+  steps is not waited for: that peer is much slower and joins the swarm's round early instead (`round_due`'s
+  other branch, sync/progress.py).
+
+A lying `due` costs at most the every/2 extra steps per round (then the round starts regardless), and only
+records of the run's signed schema are read (sync/records.py).
+
+`Scheduling` is a mixin of `SparseSync` (sync/rounds.py): `round_due`, the deferral of a due round while the
+previous one still waits for its group, and this start-together hold.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+import time
+
+from hivemind.utils import get_dht_time
+from hivemind.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+STEP_SAMPLES = 16  # step intervals the median step time is taken over (a round's long interval is an outlier)
+
+
+class DuePublisher:
+    """Stores this peer's `due` estimate in its record from a daemon thread (a DHT store must never block the
+    training loop), when the round changes or the time moves by more than the tolerance; at most every
+    `min_interval` seconds."""
+
+    def __init__(self, swarm, min_interval: float = 0.5):
+        self.swarm, self.min_interval = swarm, min_interval
+        self._lock = threading.Lock()
+        self._wanted: tuple[int, float, float] | None = None  # round, DHT time, tolerance
+        self._published: tuple[int, float] | None = None
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def set(self, round_id: int, due: float, tolerance: float) -> None:
+        with self._lock:
+            self._wanted = (round_id, due, tolerance)
+            if self._stale():
+                self._wake.set()
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._loop, name="spes-due", daemon=True)
+            self._thread.start()
+
+    def _stale(self) -> bool:
+        if self._wanted is None:
+            return False
+        round_id, due, tolerance = self._wanted
+        return self._published is None or self._published[0] != round_id or abs(self._published[1] - due) > tolerance
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            with self._lock:
+                wanted = self._wanted if self._stale() else None
+            if wanted is None or self._stop.is_set():
+                continue
+            try:
+                self.swarm.publish(due=[wanted[0], wanted[1]])
+                with self._lock:
+                    self._published = wanted[:2]
+            except Exception as e:  # a DHT restarting or cut off: the next change (or the heartbeat) stores it
+                logger.debug(f"storing the due estimate failed: {e!r}")
+            self._stop.wait(self.min_interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class Scheduling:
+    """When to start the next round (mixin of SparseSync: uses its cfg, progress, shared, round_id, _pending)."""
+
+    def _init_scheduling(self) -> None:
+        self._step_intervals: collections.deque[float] = collections.deque(maxlen=STEP_SAMPLES)
+        self._last_step_at: float | None = None
+        self._ready_at: tuple[int, float] | None = None  # (round, DHT time) it first was ready for that round
+        self._holding = False  # this due round is held for a later peer (counted once per round)
+        self.held_rounds = 0
+        self.held_steps = 0
+        self._due_publisher = DuePublisher(self.swarm)
+
+    def step_time(self) -> float | None:
+        """Median seconds per local step over the last steps, None before there are a few."""
+        if len(self._step_intervals) < 3:
+            return None
+        return statistics.median(self._step_intervals)
+
+    def note_step(self, steps_since_round: int) -> None:
+        """After every step (training thread), once this step's round is started or finished: measure the step
+        time and publish when this peer expects to be ready for its next round (sync.schedule)."""
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._step_intervals.append(now - self._last_step_at)
+        self._last_step_at = now
+        step_time = self.step_time()
+        if not self.cfg.start_together or step_time is None or self._leaving or self.follower:
+            return
+        target = self.round_id + 1
+        if steps_since_round >= self.cfg.every:
+            if self._ready_at is None or self._ready_at[0] != target:
+                self._ready_at = (target, get_dht_time())
+            due = self._ready_at[1]  # ready since then: not moved on while it holds
+        else:
+            due = get_dht_time() + (self.cfg.every - steps_since_round) * step_time
+        self._due_publisher.set(target, due, tolerance=max(0.2, step_time))
+
+    def round_due(self, steps_since_round: int) -> bool:
+        """Start a round now? After `sync.every` local steps (unless deferred or held, below), or earlier (but
+        after at least every/10 steps, and after training at least as long as its last round took) when the
+        other peers' median round is already past this peer's: it is slower than them, and joins the round they
+        are in with the tokens it trained (sync.progress)."""
+        if steps_since_round >= self.cfg.every:
+            if self._defer(steps_since_round) or self._hold(steps_since_round):
+                return False
+            self._holding = False
+            return True
+        if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
+            return False
+        if self._pending is not None and not self._pending.future.done():
+            # Its previous round still runs: an early start would block on it (7 s in bench.wan's slow arm).
+            return False
+        if time.monotonic() - self._last_applied_at < self._last_transfer_seconds:
+            # Its rounds are link-bound (a slow uplink: the last one's transfers took longer than it has trained
+            # since): joining earlier would only make it sync after every step. It keeps the every-H pace. The
+            # transfers, not the whole round: a CPU-slow peer's round is mostly its wait for the group, and
+            # counting that halved its share of the fast peers' rounds (it joined every other one).
+            return False
+        swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5)
+        return swarm_round is not None and swarm_round > self.round_id
+
+    def _extra_steps(self) -> int:
+        """The most steps a peer trains past a due round (deferred or held) before it starts it regardless."""
+        return max(1, self.cfg.every // 2)
+
+    def _hold(self, steps_since_round: int) -> bool:
+        """Keep training past a due round while another live peer expects to be ready for it later, within the
+        extra steps (sync.schedule); start at the step boundary nearest the latest such time."""
+        step_time = self.step_time()
+        if (not self.cfg.start_together or step_time is None or self._leaving or self.follower
+                or steps_since_round >= self.cfg.every + self._extra_steps()):
+            return False
+        if self._pending is not None and not self._pending.future.done():
+            return False  # the previous round still runs (and was not deferred): start this one after it
+        now, target = get_dht_time(), self.round_id + 1
+        horizon = now + (self.cfg.every + self._extra_steps() - steps_since_round) * step_time
+        latest = None
+        for record in self.progress.others(max_age=2 * self.progress.poll + 1).values():
+            if record.follows:
+                continue
+            if record.round >= target:
+                return False  # it started the round already and waits for its group: join it now
+            if record.due and record.due[0] == target and record.due[1] <= horizon:
+                latest = record.due[1] if latest is None else max(latest, record.due[1])
+        hold = latest is not None and now + step_time / 2 < latest
+        if hold:
+            self.held_steps += 1
+            if not self._holding:
+                self.held_rounds += 1
+                self._holding = True
+        return hold
+
+    def _defer(self, steps_since_round: int) -> bool:
+        """Keep training past a due round, for at most every/2 extra steps, while the previous one still runs
+        after its group took long to form (longer than the records can lag: two polls of the progress reader +
+        1 s). Such a round waited for a peer that reached it later (rounds are counted in local steps, so the
+        fastest peer laps the others): blocking on it would make this peer wait for them every round; deferred,
+        it trains meanwhile and its rounds follow the swarm's pace. A previous round whose group formed at once
+        and that is still transferring (rounds longer than H steps on a slow link or a small model) is waited
+        for as before: deferring then would only stretch H for everyone (docs/DESIGN.md, "Bandwidth-aware
+        rounds")."""
+        pending = self._pending
+        if pending is None or pending.future.done() or self._leaving or self.follower:
+            return False
+        if steps_since_round >= self.cfg.every + self._extra_steps():
+            return False
+        if not self._deferring:  # decided once per due round, then until the previous round is applied
+            self._deferring = self.shared.group_wait() > 2 * self.progress.poll + 1.0
+            if self._deferring:
+                self.deferred_rounds += 1
+        return self._deferring
+
+    def _stop_scheduling(self) -> None:
+        self._due_publisher.stop()
