@@ -236,7 +236,8 @@ class PeerNode:
             since = trainer.tokens - self._tokens_at_shared
             self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
             self.sync.shared_round(trainer.step, since)
-        self.sync.note_step(trainer.step - self._step_at_round)  # step time, and when its next round is due
+        # Step time, and when its next round is due (sync/schedule.py).
+        self.sync.note_step(trainer.step - self._step_at_round, steps_left=self.cfg.train.max_steps - trainer.step)
         self.blocked_seconds += time.perf_counter() - start
 
     def _finish(self, trainer: Trainer) -> None:

@@ -217,6 +217,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         previous = self.finish_round(block=True) if self._pending is not None else None
         self._deferring = False
         if self._leaving:
+            self.shared.cancel_ahead()
             return previous
         started = time.perf_counter()
         self.round_id += 1
@@ -261,6 +262,8 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
                       ) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
         want = set(range(self.model.cfg.num_experts))
         rejected_before = self.rejects.total()
+        if not average or self.follower:
+            self.shared.cancel_ahead()  # a group formed ahead (sync.schedule) that this round will not join
         net_started = time.perf_counter()
         # The all-reduce runs first, on a link that carries nothing else, and the expert copies follow it: copies
         # fetched during the matchmaking delayed the group, and a slow owner's served copies would compete with its
@@ -427,6 +430,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         (the others may have finished their last round and left; hivemind would look for the whole
         round_timeout). An all-reduce already running is still awaited."""
         self._give_up_at = time.monotonic() + grace
+        self.shared.cancel_ahead()  # a group formed ahead for a round after the last step
         try:
             return self.finish_round(block=True)
         finally:

@@ -105,9 +105,10 @@ class Scheduling:
             return None
         return statistics.median(self._step_intervals)
 
-    def note_step(self, steps_since_round: int) -> None:
+    def note_step(self, steps_since_round: int, steps_left: int | None = None) -> None:
         """After every step (training thread), once this step's round is started or finished: measure the step
-        time and publish when this peer expects to be ready for its next round (sync.schedule)."""
+        time and publish when this peer expects to be ready for its next round (sync.schedule). `steps_left`:
+        steps this peer still trains (None: no end known); no group is looked for ahead of a round after them."""
         now = time.monotonic()
         if self._last_step_at is not None:
             self._step_intervals.append(now - self._last_step_at)
@@ -123,6 +124,41 @@ class Scheduling:
         else:
             due = get_dht_time() + (self.cfg.every - steps_since_round) * step_time
         self._due_publisher.set(target, due, tolerance=max(0.2, step_time))
+        # A group formed ahead for a round this peer never starts would keep the others' all-reduce waiting for
+        # it until their timeouts (bench.wan: 8 s at the end of a run, when the peers' last rounds differ).
+        if steps_left is None or steps_left >= max(1, self.cfg.every - steps_since_round):
+            self._maybe_look_ahead(steps_since_round, step_time)
+
+    def _maybe_look_ahead(self, steps_since_round: int, step_time: float) -> None:
+        """Look for the next round's all-reduce group once the round is expected to start within
+        `sync.group_ahead` seconds: this peer's own remaining steps, or the latest due time it will hold for."""
+        if (not self.cfg.group_ahead or self.cfg.shared_every or self.shared.prepared()
+                or (self._pending is not None and not self._pending.future.done())):
+            return  # off, shared-only rounds use the same averager, or its step runs / is prepared already
+        now = get_dht_time()
+        start = now + max(0, self.cfg.every - steps_since_round) * step_time
+        others = self.progress.others(max_age=2 * self.progress.poll + 1)
+        latest = self._latest_due(others, steps_since_round, step_time, now)
+        if latest is not None and latest > start:
+            start = latest
+        expected = 1 + sum(not r.follows for r in others.values())
+        if start - now <= self.cfg.group_ahead and expected >= 2:
+            self.shared.prepare(expected, timeout=self.cfg.group_ahead + self.cfg.round_timeout)
+
+    def _latest_due(self, others: dict, steps_since_round: int, step_time: float, now: float) -> float | None:
+        """The latest time another live peer expects to be ready for this peer's next round, among those within
+        the extra steps; `now` if one of them started it already; None if no such estimate."""
+        target = self.round_id + 1
+        horizon = now + (self.cfg.every + self._extra_steps() - steps_since_round) * step_time
+        latest = None
+        for record in others.values():
+            if record.follows:
+                continue
+            if record.round >= target:
+                return now  # it started the round already and waits for its group: join it now
+            if record.due and record.due[0] == target and record.due[1] <= horizon:
+                latest = record.due[1] if latest is None else max(latest, record.due[1])
+        return latest
 
     def round_due(self, steps_since_round: int) -> bool:
         """Start a round now? After `sync.every` local steps (unless deferred or held, below), or earlier (but
@@ -161,16 +197,9 @@ class Scheduling:
             return False
         if self._pending is not None and not self._pending.future.done():
             return False  # the previous round still runs (and was not deferred): start this one after it
-        now, target = get_dht_time(), self.round_id + 1
-        horizon = now + (self.cfg.every + self._extra_steps() - steps_since_round) * step_time
-        latest = None
-        for record in self.progress.others(max_age=2 * self.progress.poll + 1).values():
-            if record.follows:
-                continue
-            if record.round >= target:
-                return False  # it started the round already and waits for its group: join it now
-            if record.due and record.due[0] == target and record.due[1] <= horizon:
-                latest = record.due[1] if latest is None else max(latest, record.due[1])
+        now = get_dht_time()
+        latest = self._latest_due(self.progress.others(max_age=2 * self.progress.poll + 1), steps_since_round,
+                                  step_time, now)
         hold = latest is not None and now + step_time / 2 < latest
         if hold:
             self.held_steps += 1

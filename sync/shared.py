@@ -240,6 +240,7 @@ class SharedAverager:
             signal.signal(signal.SIGINT, sigint)
         self.snapshot: list[torch.Tensor] | None = None
         self._control = None  # the running (or last) averaging step, for cancel_matchmaking
+        self._ahead = None  # a step looking for the next round's group before the round starts (prepare)
         self._step_started, self._group_seconds = 0.0, None  # when it started, how long its group took to form
         self._expected = 0  # the expected group size last set in the averager process
         # The last all_reduce: seconds to form the group and to all-reduce, bytes received meanwhile.
@@ -279,6 +280,32 @@ class SharedAverager:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
 
+    def prepare(self, expected: int, timeout: float) -> bool:
+        """Look for the next all-reduce's group now, before its round starts (sync.schedule, "group ahead"): the
+        group forms while this peer still trains its last steps, and its all-reduce waits for all_reduce() to
+        release it with the snapshot and weight. False if one is prepared already or the averager refused."""
+        if self._ahead is not None and not self._ahead.done():
+            return False
+        self._set_expected(expected)
+        try:
+            # The weight is a placeholder: hivemind reads it when the all-reduce is released, set by all_reduce().
+            self._ahead = self.averager.step(weight=1.0, timeout=timeout, require_trigger=True, wait=False)
+        except Exception as e:  # the averager process is gone or busy: the round looks for its group as before
+            logger.debug(f"could not look for a group ahead: {e!r}")
+            self._ahead = None
+            return False
+        return True
+
+    def prepared(self) -> bool:
+        return self._ahead is not None and not self._ahead.done()
+
+    def cancel_ahead(self) -> None:
+        """Give up a group looked for ahead (the round will not all-reduce: leaving, behind, run over): released
+        never, it would keep the others' all-reduce waiting on this peer until their timeouts."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not ahead.done():
+            ahead.cancel()
+
     def all_reduce(self, weight: float, timeout: float, expected: int = 0,
                    on_grouped: Callable[[], None] | None = None) -> int:
         """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed. `expected`:
@@ -286,11 +313,20 @@ class SharedAverager:
         a group this peer leads starts once that many joined. `on_grouped` is called (in this thread) once the
         group has formed and its all-reduce runs."""
         control, self.last_timing = None, {}
-        self._set_expected(expected)
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.done():  # none prepared, or it failed / was cancelled: look for a group now
+            ahead = None
+            self._set_expected(expected)
         try:
             started = self._step_started = time.perf_counter()
             self._group_seconds = None
-            control = self._control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
+            if ahead is not None:
+                # Released before or after its group formed: the snapshot is in the averaged tensors already.
+                ahead.weight = max(weight, 1e-6)
+                ahead.allow_allreduce()
+                control = self._control = ahead
+            else:
+                control = self._control = self.averager.step(weight=max(weight, 1e-6), timeout=timeout, wait=False)
             # Bounded even if the averager process itself dies (its future would never resolve otherwise).
             # Polled, to time how long the group took to form apart from the all-reduce itself (round log line).
             deadline, grouped, received = started + timeout + self.cfg.round_timeout, None, self.wire.received
@@ -338,12 +374,14 @@ class SharedAverager:
         """Give up the running step if it is still looking for a group (a leaving peer: its partners may be
         leaving too, and hivemind would retry matchmaking until the round timeout). An all-reduce that already
         runs is left to finish: cancelling it would fail the round for the whole group."""
+        cancelled = self.prepared()
+        self.cancel_ahead()
         control = self._control
         if control is None or control.done():
-            return False
+            return cancelled
         if control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP,
                                  AveragingStage.AWAITING_TRIGGER):
-            return False
+            return cancelled
         control.cancel()
         return True
 
@@ -462,4 +500,5 @@ class SharedAverager:
             self.rejects.add(reason)
 
     def shutdown(self) -> None:
+        self.cancel_ahead()
         self.averager.shutdown()

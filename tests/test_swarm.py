@@ -726,6 +726,53 @@ def test_start_together_never_waits_beyond_the_extra_steps_nor_for_a_started_rou
     assert [p.sync.finish_round(block=True).group_size for p in (a, b)] == [2, 2]
 
 
+def test_group_formed_ahead_of_the_round_averages_the_snapshot_taken_at_its_start(swarm_factory):
+    """sync.group_ahead: within that many seconds of its expected start a peer looks for the round's group (a
+    triggered hivemind step); the group forms while both still train, and the all-reduce released at the round's
+    start averages the snapshots taken then, with the weights given then."""
+    from hivemind.averaging.control import AveragingStage
+    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b])
+    for peer in (a, b):
+        _steps(peer, 4, seconds=0.1)
+        peer.sync.note_step(9)  # one step left: expected to start within 0.1 s
+        assert peer.sync.shared.prepared()
+    deadline = time.monotonic() + 10
+    while a.sync.shared._ahead.stage != AveragingStage.AWAITING_TRIGGER and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.sync.shared._ahead.stage == AveragingStage.AWAITING_TRIGGER, "no group formed ahead"
+    for i, peer in enumerate((a, b)):
+        _local_training(peer, seed=70 + i)  # the steps trained after the group formed count
+    before = [_shared(p) for p in (a, b)]
+    a.sync.start_round(step=11, tokens=1100, tokens_since_last=300)
+    b.sync.start_round(step=11, tokens=1100, tokens_since_last=100)
+    reports = [p.sync.finish_round(block=True) for p in (a, b)]
+    assert [r.group_size for r in reports] == [2, 2], reports
+    assert reports[0].timing["group"] < 0.5, reports[0].timing  # formed already: released, not looked for
+    for peer in (a, b):
+        for name, value in _shared(peer).items():
+            torch.testing.assert_close(value, (3 * before[0][name] + before[1][name]) / 4, rtol=1e-5, atol=1e-6)
+        assert not peer.sync.shared.prepared()
+
+
+def test_a_group_formed_ahead_for_a_round_that_never_comes_is_given_up(swarm_factory):
+    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b])
+    _steps(a, 4, seconds=0.1)
+    a.sync.note_step(9)
+    assert a.sync.shared.prepared()
+    assert a.sync.drain(grace=1.0) is None  # the run ended before that round: nothing pending, group given up
+    assert not a.sync.shared.prepared()
+    a.sync.leave_soon()  # a stopping peer gives up a prepared group at its next round's start as well
+    _steps(b, 4, seconds=0.1)
+    b.sync.note_step(9)
+    assert b.sync.shared.prepared()
+    b.sync.leave_soon()
+    assert b.sync.start_round(step=11, tokens=1100, tokens_since_last=1000) is None and not b.sync.shared.prepared()
+
+
 def test_a_lone_liar_cannot_trigger_early_rounds(swarm_factory):
     cfg = _sync_cfg(every=10)
     peers = [swarm_factory([e], cfg) for e in range(4)]
