@@ -8,6 +8,7 @@ DiLoCo's pseudo-gradient and takes an SGD step with Nesterov momentum from the p
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import multiprocessing as mp
 import signal
@@ -189,6 +190,19 @@ class _CountingAverager(DecentralizedAverager):
         # hivemind names rpc handlers after the class: keep DecentralizedAverager's names so this averager
         # stays wire-compatible with plain hivemind averagers (and peers of earlier builds).
         return DecentralizedAverager._get_handle_name.__func__(DecentralizedAverager, namespace, method_name)
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        # hivemind 1.1.12's own _shutdown calls finalize() on the values of _running_groups, which are Futures
+        # whose results are the all-reduce runners (and finalize returns nothing to wait for): shutting down while
+        # a group is registered raised an AttributeError in this process (seen in CI: a peer stopping right after
+        # a re-join exited -6). Here the runners that exist are cancelled and the groups being set up too.
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for group in list(self._running_groups.values()):
+            if not group.done():
+                group.cancel()
+            elif not group.cancelled() and group.exception() is None and hasattr(group.result(), "finalize"):
+                group.result().finalize(cancel=True)
 
     def run(self) -> None:
         _install_wire_counting(self._wire)

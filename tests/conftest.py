@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from model.config import ModelConfig
 from model.model import SpesMoE
@@ -67,6 +68,31 @@ def sync_cfg(**kw) -> SyncConfig:
     base = dict(every=1, round_timeout=20.0, matchmaking_time=2.0, record_ttl=6.0)
     base.update(kw)
     return SyncConfig(**base)
+
+
+@torch.no_grad()
+def local_training(peer: Peer, seed: int) -> None:
+    """Change what this peer trains (shared params, owned experts) as a few local steps would."""
+    g = torch.Generator().manual_seed(seed)
+    for _, p in peer.model.shared_parameters():
+        p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    for e in peer.model.owned_experts:
+        for bank in peer.model.expert_banks():
+            for name in ("gate_up_proj", "down_proj"):
+                t = getattr(bank.bank[e], name)
+                t.add_(torch.randn(t.shape, generator=g) * 0.01)
+
+
+def shared_params(peer: Peer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in peer.model.shared_parameters()}
+
+
+def round_all(peers: list[Peer], tokens: int = 100) -> list:
+    """One round on every peer: starts are local and quick (the network part runs in each peer's background
+    thread, concurrently), then each peer applies its result, as the training loop does at a step boundary."""
+    for peer in peers:
+        peer.sync.start_round(step=1, tokens=tokens, tokens_since_last=tokens)
+    return [peer.sync.finish_round(block=True) for peer in peers]
 
 
 @pytest.fixture

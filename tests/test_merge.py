@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from sync.config import MergeConfig
 from sync.merge import merge_alpha, merge_deltas, merge_due, merge_neighbours
 from tests.conftest import MODEL, sync_cfg as _sync_cfg
-from tests.test_swarm import _experts, _local_training
+from tests.conftest import local_training as _local_training
+from tests.test_swarm import _experts
 
 
 def reference_merge(snapshot: dict[int, dict[str, torch.Tensor]], alpha: float, topk: int,
