@@ -4,6 +4,8 @@ Kept free of hivemind imports so the peer can parse configs without starting any
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 
@@ -62,8 +64,8 @@ class SyncConfig:
     # round's group forms at once instead of the first arrivals waiting, blocked, for the last (sync.schedule).
     start_together: bool = True
     # With start_together: look for the round's all-reduce group `group_ahead` seconds before the round is
-    # expected to start (hivemind's scheduled, triggered step), so the group has formed when the snapshot is
-    # ready; 0 = look for it at the round's start.
+    # expected to start (hivemind's triggered step), so the group has formed when the snapshot is ready; at most
+    # half of matchmaking_time (a leader waits that long for its group); 0 = look for it at the round's start.
     group_ahead: float = 1.0
     # The most processes one peer may span (`torchrun --nproc-per-node K`, SPEC 3a): every peer caps another's
     # all-reduce weight at this many processes' tokens per round (a claimed weight of 1e9 counts as that much,
@@ -117,9 +119,8 @@ class SyncConfig:
                      "max_delta_ratio"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sync.{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.group_ahead < self.matchmaking_time:
-            raise ValueError(f"sync.group_ahead must be between 0 (off) and sync.matchmaking_time "
-                             f"({self.matchmaking_time:g}), got {self.group_ahead}")
+        if not 0 <= self.group_ahead < math.inf:
+            raise ValueError(f"sync.group_ahead must be >= 0 seconds (0 = off), got {self.group_ahead}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"sync.outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.max_experts_per_peer < 0:

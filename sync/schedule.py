@@ -142,8 +142,9 @@ class Scheduling:
         if latest is not None and latest > start:
             start = latest
         expected = 1 + sum(not r.follows for r in others.values())
-        if start - now <= self.cfg.group_ahead and expected >= 2:
-            self.shared.prepare(expected, timeout=self.cfg.group_ahead + self.cfg.round_timeout)
+        ahead = min(self.cfg.group_ahead, self.cfg.matchmaking_time / 2)
+        if start - now <= ahead and expected >= 2:
+            self.shared.prepare(expected, timeout=ahead + self.cfg.round_timeout)
 
     def _latest_due(self, others: dict, steps_since_round: int, step_time: float, now: float) -> float | None:
         """The latest time another live peer expects to be ready for this peer's next round, among those within

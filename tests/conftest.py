@@ -161,18 +161,34 @@ class ProcessLauncher:
         self.procs.append(proc)
         return proc
 
-    def p2pd_alive(self) -> set[str]:
-        """PIDs of p2pd daemons started under this launcher that are still alive."""
-        found = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout.split()
+    def alive(self, comm: str | None = None) -> set[str]:
+        """PIDs of live processes started under this launcher (any descendant: they inherit the marker), or only
+        those whose command name is `comm`."""
         tag = f"{self.marker[0]}={self.marker[1]}".encode()
         mine = set()
-        for pid in found:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
             try:
-                if tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    mine.add(pid)
-            except OSError:  # exited meanwhile
+                if tag in (entry / "environ").read_bytes().split(b"\0") and (
+                        comm is None or (entry / "comm").read_text().strip() == comm):
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":  # a zombie has exited; its parent reaps it
+                        mine.add(entry.name)
+            except OSError:  # exited meanwhile, or not ours to read
                 pass
         return mine
+
+    def p2pd_alive(self) -> set[str]:
+        """PIDs of p2pd daemons started under this launcher that are still alive."""
+        return self.alive("p2pd")
+
+    def wait_all_gone(self, timeout: float = 15.0) -> set[str]:
+        """After stopping every tree cleanly: wait until none of their processes is alive; returns those left."""
+        deadline = time.time() + timeout
+        while self.alive() and time.time() < deadline:
+            time.sleep(0.2)
+        return self.alive()
 
     def reap(self, p2pd_grace_s: float = 15.0) -> set[str]:
         """Kill every group still running, wait for them, and give their p2pd daemons (which die with their

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 import shutil
 import socket
 import subprocess
@@ -24,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from peer.callbacks import Callback
 from peer.config import load_config, parse_override
 from tests.conftest import REPO, peer_cmd
-from tests.test_ops import alive, descendants
 
 # The spec's peer metrics: exposed name -> (type, label names).
 PEER_METRICS = {
@@ -308,18 +305,15 @@ def _stop(proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 @pytest.mark.slow
-def test_prometheus_scrapes_two_peers_and_the_bootstrap_node(tmp_path):
+def test_prometheus_scrapes_two_peers_and_the_bootstrap_node(tmp_path, processes):
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.skip("no Prometheus server binary (`apt-get install prometheus`; .ci/run installs it)")
     ports = {"bootstrap": _free_port(), "peer0": _free_port(), "peer1": _free_port(), "prometheus": _free_port()}
     procs: list[subprocess.Popen] = []
-    logs: list = []
-    children: set[int] = set()
 
     def start(cmd: list[str], log: Path) -> subprocess.Popen:
-        logs.append(open(log, "w"))
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+        procs.append(processes.start(cmd, log))  # reaped after the test, p2pd daemons included (tests/conftest.py)
         return procs[-1]
 
     try:
@@ -370,18 +364,9 @@ def test_prometheus_scrapes_two_peers_and_the_bootstrap_node(tmp_path):
         instances = {x["metric"]["instance"] for x in results["rounds"]}
         assert instances == {targets["peer0"], targets["peer1"]}
     finally:
-        for proc in procs:  # hivemind's DHT and averager processes and their p2pd daemons
-            children |= descendants(proc.pid) if proc.poll() is None else set()
         for proc in reversed(procs):
-            _stop(proc)
-        for log in logs:
-            log.close()
-        deadline = time.time() + 15
-        while alive(children) and time.time() < deadline:
-            time.sleep(0.2)
-        left = alive(children)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+            _stop(proc)  # SIGTERM: each shuts down cleanly (the fixture kills what is left after the test)
+    left = processes.wait_all_gone()
     assert not left, f"processes left behind: {left}"
     for i in range(2):
         assert procs[1 + i].returncode == 0, (tmp_path / f"peer{i}.log").read_text()[-3000:]

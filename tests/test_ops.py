@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, peer_cmd
+from tests.conftest import peer_cmd
 
 RECORD_TTL = 60.0  # long, so that expiry cannot explain the adoption
 
@@ -73,14 +73,11 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60)
 
 
 @pytest.mark.slow
-def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path):
+def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path, processes):
     procs: list[subprocess.Popen] = []
-    logs: list = []
-    children: set[int] = set()
 
     def start(cmd: list[str], log: Path) -> subprocess.Popen:
-        logs.append(open(log, "w"))
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+        procs.append(processes.start(cmd, log))  # reaped after the test, p2pd daemons included (tests/conftest.py)
         return procs[-1]
 
     try:
@@ -139,18 +136,12 @@ def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path):
         assert not alive(survivor_children), f"left behind: {alive(survivor_children)}"
         assert leave_seconds < 30, leave_seconds
     finally:
-        for proc in procs:
-            children |= descendants(proc.pid) if proc.poll() is None else set()
         for proc in reversed(procs):
             stop(proc, timeout=30)
-        for log in logs:
-            log.close()
-        for pid in alive(children):  # only if an assertion above failed: do not leak daemons into other tests
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_a_terminal_stops_the_peer_cleanly(tmp_path):
+def test_ctrl_c_in_a_terminal_stops_the_peer_cleanly(tmp_path, processes):
     """Ctrl-C signals the whole foreground process group, hivemind's processes and p2pd included. The peer must
     still finish its step and withdraw its record through a working DHT (p2pd would be gone otherwise), so the
     swarm sees it leave at once, then exit 0."""
@@ -159,23 +150,19 @@ def test_ctrl_c_in_a_terminal_stops_the_peer_cleanly(tmp_path):
     from sync.swarm import Swarm
 
     procs: list[subprocess.Popen] = []
-    logs: list = []
-    children: set[int] = set()
     probe = None
     try:
-        logs.append(open(tmp_path / "bootstrap.log", "w"))
-        procs.append(subprocess.Popen(["hivemind-dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], cwd=REPO,
-                                      stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+        procs.append(processes.start(["hivemind-dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                                     tmp_path / "bootstrap.log"))
         maddr = wait_for(tmp_path / "bootstrap.log", r"--initial_peers (\S+)", procs, 90).group(1)
         log_path = tmp_path / "peer.log"
-        logs.append(open(log_path, "w"))
-        # Its own session = its own process group, like a command started from a shell.
-        peer = subprocess.Popen(peer_cmd(
+        # Its own session = its own process group, like a command started from a shell (as every tree the
+        # launcher starts).
+        peer = processes.start(peer_cmd(
             "--config", "configs/tiny.yaml", "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--run-id", "ctrlc", "--run-dir", str(tmp_path / "run"), "--max-steps", "100000", "--sync-every", "3",
             "--set", f"sync.record_ttl={RECORD_TTL}", "--set", "train.eval_every=0",
-            "--set", "train.checkpoint_every=100000"), cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT,
-            start_new_session=True)
+            "--set", "train.checkpoint_every=100000"), log_path)
         procs.append(peer)
         wait_for(log_path, r"round 1 applied", procs, 180)
         children = descendants(peer.pid)
@@ -196,11 +183,5 @@ def test_ctrl_c_in_a_terminal_stops_the_peer_cleanly(tmp_path):
     finally:
         if probe is not None:
             probe.shutdown()
-        for proc in procs:
-            children |= descendants(proc.pid) if proc.poll() is None else set()
         for proc in reversed(procs):
             stop(proc, timeout=30)
-        for log in logs:
-            log.close()
-        for pid in alive(children):
-            os.kill(pid, signal.SIGKILL)
