@@ -124,6 +124,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         self._reset_expert_references()
         self.max_owned = cfg.max_experts_per_peer or model.cfg.num_experts
         self._pending: _Pending | None = None
+        self._last_network: concurrent.futures.Future | None = None
         self._deferring = False  # a due round waits for the previous one's group (_defer)
         self.deferred_rounds = 0
         self._leaving = False  # set by leave_soon(): no new round, the pending one stops looking for a group
@@ -351,6 +352,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
             records, means = {}, {}
         report = pending.report
         self._pending = None
+        self._last_network = pending.future  # may still run if abandoned (stop): shutdown waits for it
         applying = time.perf_counter()
         self._capture_pre_apply()
         if pending.behind:
@@ -460,3 +462,13 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
             except Exception as e:
                 logger.warning(f"shutdown: {e}")
         self.swarm.shutdown(withdraw=True, finished=finished)
+        # A round abandoned by a stop (STOP_GRACE) still runs in its daemon thread; with the averager and the DHT
+        # gone it ends within moments. A peer that exited right after such a round aborted once ("terminate called
+        # without an active exception", exit -6, in a test run of tests/test_metrics.py): a daemon thread inside
+        # torch at interpreter exit is the likely cause, so it gets a few seconds to end first.
+        last = self._last_network
+        if last is not None and not last.done():
+            try:
+                last.result(timeout=5.0)
+            except BaseException:  # its failure was reported already; a thread still stuck is left to the exit
+                pass

@@ -144,7 +144,8 @@ class Scheduling:
         expected = 1 + sum(not r.follows for r in others.values())
         ahead = min(self.cfg.group_ahead, self.cfg.matchmaking_time / 2)
         if start - now <= ahead and expected >= 2:
-            self.shared.prepare(expected, timeout=ahead + self.cfg.round_timeout)
+            self.shared.prepare(expected, start, timeout=start - now + self.shared.matchmaking_time
+                                + self.cfg.round_timeout)
 
     def _latest_due(self, others: dict, steps_since_round: int, step_time: float, now: float) -> float | None:
         """The latest time another live peer expects to be ready for this peer's next round, among those within

@@ -236,6 +236,7 @@ class SharedAverager:
         # expert set arrive straight from the shared all-reduce they left together: a short window suffices.
         shared = params is None
         matchmaking = cfg.matchmaking_time if shared else min(cfg.matchmaking_time, 5.0)
+        self.matchmaking_time = matchmaking
         # A peer behind NAT in client mode (sync.reach) averages as a hivemind client: it never leads a group,
         # reduces a part or serves state, since nobody could open a connection to it for those.
         client_mode = bool(swarm.dht.client_mode)
@@ -294,16 +295,20 @@ class SharedAverager:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
 
-    def prepare(self, expected: int, timeout: float) -> bool:
-        """Look for the next all-reduce's group now, before its round starts (sync.schedule, "group ahead"): the
-        group forms while this peer still trains its last steps, and its all-reduce waits for all_reduce() to
-        release it with the snapshot and weight. False if one is prepared already or the averager refused."""
+    def prepare(self, expected: int, start: float, timeout: float) -> bool:
+        """Look for the next all-reduce's group now, before its round starts at DHT time `start` (sync.schedule,
+        "group ahead"): the group forms while this peer still trains its last steps, and its all-reduce waits for
+        all_reduce() to release it with the snapshot and weight. False if one is prepared already or the
+        averager refused."""
         if self._ahead is not None and not self._ahead.done():
             return False
         self._set_expected(expected)
         try:
             # The weight is a placeholder: hivemind reads it when the all-reduce is released, set by all_reduce().
-            self._ahead = self.averager.step(weight=1.0, timeout=timeout, require_trigger=True, wait=False)
+            # A group this peer leads waits for late members until matchmaking_time after the expected start, as
+            # a group looked for at the round's start would (not after the earlier moment it began looking).
+            self._ahead = self.averager.step(weight=1.0, scheduled_time=start + self.matchmaking_time,
+                                             timeout=timeout, require_trigger=True, wait=False)
         except Exception as e:  # the averager process is gone or busy: the round looks for its group as before
             logger.debug(f"could not look for a group ahead: {e!r}")
             self._ahead = None
