@@ -65,8 +65,10 @@ class SyncConfig:
     start_together: bool = True
     # With start_together: look for the round's all-reduce group `group_ahead` seconds before the round is
     # expected to start (hivemind's triggered step), so the group has formed when the snapshot is ready; at most
-    # half of matchmaking_time (a leader waits that long for its group); 0 = look for it at the round's start.
-    group_ahead: float = 1.0
+    # half of matchmaking_time (a leader waits that long for its group). 0 (default) = look for it at the round's
+    # start. Opt-in: hivemind lets a peer join only leaders that expire no later than its own request, and peers
+    # looking ahead expire at their own expected starts (docs/DESIGN.md, "Starting a round together").
+    group_ahead: float = 0.0
     # The most processes one peer may span (`torchrun --nproc-per-node K`, SPEC 3a): every peer caps another's
     # all-reduce weight at this many processes' tokens per round (a claimed weight of 1e9 counts as that much,
     # docs/DESIGN.md "Hostile peers"). A K-process peer in a run where this is below K is counted as this many
