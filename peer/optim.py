@@ -117,21 +117,23 @@ def load_optimizer_state_tensors(optimizer: torch.optim.Optimizer, model: nn.Mod
 
 
 def expert_moments(optimizer: torch.optim.Optimizer, model: nn.Module, expert: int) -> dict[str, torch.Tensor] | None:
-    """The AdamW state of an owned expert, keyed like its tensors (`layers.{l}.{name}.exp_avg` / `.exp_avg_sq`,
-    and `step`), for handing it to the expert's next owner; None if the expert has no state (not owned, or no
-    step taken since it was). Copies: the serving thread reads them while training goes on."""
+    """The AdamW state of an owned expert, keyed like its tensors (`layers.{l}.{name}.exp_avg` / `.exp_avg_sq` /
+    `.step`), for handing it to the expert's next owner; None if the expert has no state (not owned, or no
+    step taken since it was). Copies: the serving thread reads them while training goes on.
+
+    `step` is per tensor: AdamW counts a step only for a parameter that had a gradient, and an expert's copy in
+    one layer that got no token in a step has none, so its layers' counts can differ (one shared count made the
+    new owner's bias correction wrong for some layers)."""
     if expert not in model.owned_experts:
         return None
     out: dict[str, torch.Tensor] = {}
-    step = None
     for name, param in zip(model.expert_tensor_names(), model.expert_parameters(expert)):
         state = optimizer.state.get(param)
         if not state or "exp_avg" not in state:
             return None
         out[f"{name}.exp_avg"] = state["exp_avg"].detach().float().cpu().clone()
         out[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().float().cpu().clone()
-        step = state["step"]
-    out["step"] = torch.as_tensor(float(step)).reshape(())
+        out[f"{name}.step"] = torch.as_tensor(float(state["step"])).reshape(())
     return out
 
 
@@ -152,16 +154,17 @@ def load_expert_moments(optimizer: torch.optim.Optimizer, model: nn.Module, expe
     if expert not in model.owned_experts:
         return "not owned"
     bound = adam_moment_bound(*betas) * 1.05 + 1e-6  # a little slack for float rounding
-    step = float(tensors["step"])
-    if not (math.isfinite(step) and 1 <= step < 2 ** 40):
-        return "bad step count"
+    steps = {}
     for name in model.expert_tensor_names():
+        steps[name] = float(tensors[f"{name}.step"])
+        if not (math.isfinite(steps[name]) and 1 <= steps[name] < 2 ** 40):
+            return "bad step count"
         m, v = tensors[f"{name}.exp_avg"], tensors[f"{name}.exp_avg_sq"]
         if bool((v < 0).any()) or bool((m.abs() > bound * v.sqrt() + 1e-12).any()):
             return f"{name}: moments no AdamW run produces (|exp_avg| > {bound:.2f} sqrt(exp_avg_sq))"
     for name, param in zip(model.expert_tensor_names(), model.expert_parameters(expert)):
         optimizer.state[param] = {
-            "step": _step_count(optimizer, step, param),
+            "step": _step_count(optimizer, steps[name], param),
             "exp_avg": tensors[f"{name}.exp_avg"].to(param.device, torch.float32).clone(),
             "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(param.device, torch.float32).clone(),
         }

@@ -90,24 +90,34 @@ class ExpertFetching:
                     continue
                 reason = self._moments_problem(expert, tensors)
                 if reason is None:
-                    self.handed_over[expert] = tensors
+                    self.handed_over[expert] = self._per_tensor_steps(expert, tensors)
                     break
                 self.rejects.add(reason)
                 logger.warning(f"refused the optimizer moments of expert {expert} from peer ...{peer_id[-6:]}: "
                                f"{reason}")
 
     def _moments_problem(self, expert: int, tensors: dict[str, torch.Tensor]) -> str | None:
-        """Why a received set of moments is unusable (a REJECT_REASONS entry), or None."""
+        """Why a received set of moments is unusable (a REJECT_REASONS entry), or None. A step count per tensor
+        (`{name}.step`, peer/optim.py) or, from owners of earlier builds, one `step` for all of them."""
         live = self.model.expert_tensors(expert)
-        want = {f"{n}.{k}" for n in live for k in ("exp_avg", "exp_avg_sq")} | {"step"}
-        if set(tensors) != want:
+        moments = {f"{n}.{k}" for n in live for k in ("exp_avg", "exp_avg_sq")}
+        if set(tensors) not in (moments | {f"{n}.step" for n in live}, moments | {"step"}):
             return "malformed"
-        if tensors["step"].numel() != 1 or any(tensors[f"{n}.{k}"].shape != t.shape for n, t in live.items()
-                                                  for k in ("exp_avg", "exp_avg_sq")):
+        steps = [t for k, t in tensors.items() if k == "step" or k.endswith(".step")]
+        if any(t.numel() != 1 for t in steps) or any(tensors[f"{n}.{k}"].shape != t.shape for n, t in live.items()
+                                                     for k in ("exp_avg", "exp_avg_sq")):
             return "shape"
         if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in tensors.values()):
             return "nonfinite"
         return None
+
+    def _per_tensor_steps(self, expert: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checked moments in the per-tensor form the optimizer loads (an earlier build's one `step` for all)."""
+        if "step" not in tensors:
+            return tensors
+        out = {k: t for k, t in tensors.items() if k != "step"}
+        out.update({f"{n}.step": tensors["step"] for n in self.model.expert_tensors(expert)})
+        return out
 
     def _download_shared(self, sources: list[str], want: int) -> list[list[torch.Tensor]]:
         """Shared-state copies from up to `want` of `sources` (fetched concurrently, more tried if some fail)."""

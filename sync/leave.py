@@ -66,7 +66,7 @@ class LeaveHandoff:
                            f"{reason}")
             return
         with self._leave_lock:
-            self._left_moments[expert] = (self.round_id, tensors)
+            self._left_moments[expert] = (self.round_id, self._per_tensor_steps(expert, tensors))
 
     def _take_left_moments(self, adopted: Iterable[int]) -> list[int]:
         """(Round apply.) Move the kept moments of the experts just adopted to `handed_over`; drop old ones."""

@@ -108,3 +108,38 @@ def test_peer_taking_over_a_cared_for_expert_continues_its_adamw_state(tmp_path,
                     assert torch.equal(b.trainer.optimizer.state[mine][key].float(),
                                        a.trainer.optimizer.state[theirs][key].float()), key
     assert any(f"optimizer state (AdamW moments) of experts [{taken}]" in r.getMessage() for r in caplog.records)
+
+
+def test_layers_with_different_step_counts_keep_them(swarm_factory):
+    """AdamW counts a step only where a parameter had a gradient: an expert's copy in a layer that got no token
+    in some steps has a lower count. The new owner gets each tensor's own count (one shared count made its bias
+    correction wrong for those layers), and an earlier build's single `step` is still taken for all."""
+    a = swarm_factory([0, 1], sync_cfg())
+    opt_a = _adamw(a.model, steps=3)
+    first, *rest = a.model.expert_parameters(1)
+    first.grad = torch.ones_like(first)
+    for p in rest:
+        p.grad = None  # no token for these in this step: AdamW leaves their state alone
+    opt_a.step()
+    counts = [float(opt_a.state[p]["step"]) for p in a.model.expert_parameters(1)]
+    assert counts[0] == 4 and set(counts[1:]) == {3}
+    a.sync.exchange.moments_provider = lambda e: expert_moments(opt_a, a.model, e)
+    b = swarm_factory([1], sync_cfg(), join=False)
+    b.sync.join(step=0, tokens=0, take_over_moments=True)
+    opt_b = torch.optim.AdamW([p for p in b.model.parameters() if p.requires_grad], betas=BETAS, foreach=False)
+    assert load_expert_moments(opt_b, b.model, 1, b.sync.handed_over[1], BETAS) is None
+    assert [float(opt_b.state[p]["step"]) for p in b.model.expert_parameters(1)] == counts
+
+    def single_step(expert: int):  # what an owner of an earlier build serves
+        moments = expert_moments(opt_a, a.model, expert)
+        steps = [k for k in moments if k.endswith(".step")]
+        moments["step"] = moments[steps[0]]
+        for k in steps:
+            del moments[k]
+        return moments
+    a.sync.exchange.moments_provider = single_step
+    c = swarm_factory([1], sync_cfg(), join=False)
+    c.sync.join(step=0, tokens=0, take_over_moments=True)
+    opt_c = torch.optim.AdamW([p for p in c.model.parameters() if p.requires_grad], betas=BETAS, foreach=False)
+    assert load_expert_moments(opt_c, c.model, 1, c.sync.handed_over[1], BETAS) is None
+    assert {float(opt_c.state[p]["step"]) for p in c.model.expert_parameters(1)} == {counts[0]}

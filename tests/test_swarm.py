@@ -330,7 +330,9 @@ def test_clean_leave_is_covered_on_the_first_round_after_it(swarm_factory):
     a, b, c = swarm_factory([0], cfg), swarm_factory([1], cfg), swarm_factory([2, 3], cfg)
     g = torch.Generator().manual_seed(0)
     moments = {e: {**{f"{n}.{k}": torch.rand(t.shape, generator=g) * 1e-3 for n, t in c.model.expert_tensors(e).items()
-                      for k in ("exp_avg", "exp_avg_sq")}, "step": torch.tensor(7.0)} for e in (2, 3)}
+                      for k in ("exp_avg", "exp_avg_sq")},
+                   **{f"{n}.step": torch.tensor(7.0 + i) for i, n in enumerate(c.model.expert_tensors(e))}}
+               for e in (2, 3)}
     c.sync.exchange.moments_provider = lambda e: moments.get(e)  # as peer.node serves the live optimizer's
     _round_all([a, b, c])
     c.sync.shutdown()
