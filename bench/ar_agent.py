@@ -2,6 +2,7 @@
 (`python -m bench.wan --raw-link` runs 4 of them: hivemind's all-reduce alone on the links, no training, no SPES).
 
     python -m bench.ar_agent --host 10.213.0.1 --numel 4500000 [--initial-peers '["/ip4/.../p2p/..."]']
+        [--aggregation centered_clip]
 
 It starts a DHT and one averager over a float32 vector of `numel` values (no compression, equal bandwidths),
 prints ``{"re": "ready", "maddrs": [...]}``, then answers one JSON request per stdin line with one
@@ -56,7 +57,12 @@ def main() -> None:
     parser.add_argument("--initial-peers", default="[]")
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--part-size", type=int, default=DEFAULT_PART_SIZE_BYTES)
+    parser.add_argument("--aggregation", default="", help="reduce with sync.robust's rule (e.g. centered_clip) "
+                        "instead of hivemind's weighted mean, as SPES peers do")
     args = parser.parse_args()
+    if args.aggregation:
+        from sync.robust import AggregationPolicy, install_robust_reducer
+        install_robust_reducer(AggregationPolicy(args.aggregation))  # before the averager process forks
     dht = DHT(host_maddrs=[f"/ip4/{args.host}/tcp/0"], initial_peers=json.loads(args.initial_peers), start=True)
     averager = None
     try:

@@ -57,42 +57,47 @@ def raw_link(public_mbit: float, nbytes: int = 20_000_000) -> str:
         for agent in agents.values():
             agent.request("quit", 10)
         rows += _allreduce_alone(lab, names, rate, nbytes)
+        rows += _allreduce_alone(lab, names, rate, nbytes, aggregation="centered_clip")
     return (f"bench.wan --raw-link: libp2p streams through {public_mbit:g} Mbit/s tbf links\n\n"
             + format_table(["transfer", "MB", "seconds", "link time s", "ratio"], rows) + "\n")
 
 
-def _allreduce_alone(lab, names: list[str], rate: float, nbytes: int, rounds: int = 4) -> list[list[str]]:
+def _allreduce_alone(lab, names: list[str], rate: float, nbytes: int, rounds: int = 4,
+                     aggregation: str = "") -> list[list[str]]:
     """hivemind's all-reduce alone on the same links (bench/ar_agent.py: one DHT + DecentralizedAverager per
     namespace, no training, all four asked to start at the same DHT time), over a vector whose all-reduce moves
     `nbytes` into and out of each peer (2 x 3/4 of the vector each way in a group of 4). Rows: each round from
-    the first peer's all-reduce start to the last one's end, and the median peer's own all-reduce time."""
+    the first peer's all-reduce start to the last one's end, and the median peer's own all-reduce time.
+    `aggregation`: reduce with sync.robust's rule as SPES peers do (default: hivemind's weighted mean)."""
     numel = nbytes // 6  # float32: each peer sends 3/4 of 4 * numel bytes of inputs and as much of results
     agents = {}
     for name in names:
         peers = agents[names[0]].ready["maddrs"] if agents else []
         agents[name] = lab.python(name, "-m", "bench.ar_agent", "--host", lab._node(name).ip, "--numel",
-                                  str(numel), "--initial-peers", json.dumps(peers), stdin=True)
+                                  str(numel), "--initial-peers", json.dumps(peers), "--aggregation", aggregation,
+                                  stdin=True)
         agents[name].ready = json.loads(agents[name].expect(r'^\{"re": "ready"', 60).string)
     from concurrent.futures import ThreadPoolExecutor
     from hivemind.utils.timed_storage import get_dht_time
 
+    what = "hivemind all-reduce alone" + (f", {aggregation}" if aggregation else "")
     rows, per_peer = [], []
     for i in range(rounds):
         at = get_dht_time() + 3.0
         with ThreadPoolExecutor(len(names)) as pool:
             replies = list(pool.map(lambda a: agents[a].request("step", 120, at=at, timeout=60), names))
         if not all(r.get("ok") and r.get("group") == len(names) for r in replies):
-            rows.append([f"hivemind all-reduce alone, round {i + 1}", "-", "failed", "-", str(replies)[:80]])
+            rows.append([f"{what}, round {i + 1}", "-", "failed", "-", str(replies)[:80]])
             continue
         seconds = max(r["done"] for r in replies) - min(r["grouped"] for r in replies)
         per_peer += [r["done"] - r["grouped"] for r in replies]
         label = "first start to last end" + (" (warm-up, dials)" if i == 0 else "")
-        rows.append([f"hivemind all-reduce alone, round {i + 1}: {label}", f"{nbytes / MB:.1f} in + out per peer",
+        rows.append([f"{what}, round {i + 1}: {label}", f"{nbytes / MB:.1f} in + out per peer",
                      f"{seconds:.2f}", f"{nbytes / rate:.2f}", f"{seconds / (nbytes / rate):.2f}"])
     for agent in agents.values():
         agent.request("quit", 30)
     if per_peer:
         median = statistics.median(per_peer)
-        rows.append(["hivemind all-reduce alone, median peer's own (all rounds)", f"{nbytes / MB:.1f}",
+        rows.append([f"{what}, median peer's own (all rounds)", f"{nbytes / MB:.1f}",
                      f"{median:.2f}", f"{nbytes / rate:.2f}", f"{median / (nbytes / rate):.2f}"])
     return rows
