@@ -132,9 +132,9 @@ class NetworkConfig:
     client_mode: bool = False
     """Behind NAT: run the DHT and the averagers as hivemind clients, which only make requests (--client-mode)."""
     upload_mbit: float = 0.0
-    """This peer's upload bandwidth in Mbit/s, if known (0 = unknown: an equal share). hivemind's all-reduce gives
-    each peer a part of the tensors to reduce in proportion to it, so a 5 Mbit/s home uplink reduces a small part
-    and does not hold a group of 100 Mbit/s peers to its pace."""
+    """This peer's upload bandwidth in Mbit/s, if known (0 = unknown: measured once other peers are seen, see
+    sync.slow_uplink_mbit). hivemind's all-reduce gives each peer a part of the tensors to reduce in proportion to
+    it, so a 5 Mbit/s home uplink reduces a small part and does not hold a group of 100 Mbit/s peers to its pace."""
 
 
 @dataclass

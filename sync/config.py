@@ -52,6 +52,12 @@ class SyncConfig:
     # slow as itself (bench.wan `mixed`: 40 s instead of 3 s). 0 (default) = every peer all-reduces; opt in
     # with e.g. 10 (see bench/README.md, bench.wan `mixed_bw`, for what it did and did not fix).
     follow_below_mbit: float = 0.0
+    # An uplink below this many Mbit/s (declared as network.upload_mbit, or else measured once other peers are
+    # seen: sync/uplink.py) is told to hivemind, so this peer reduces a matching small part of each all-reduce,
+    # and its all-reduce parts travel 8-bit (a quarter of the bytes). A faster measured uplink declares 100
+    # (equal shares among fast peers: a measurement varies too much between equal links to split by it).
+    # 0 = never measure (an undeclared uplink gets an equal share, full precision).
+    slow_uplink_mbit: float = 20.0
     # Before the first step, wait until this many peers (this one included) have records in the run, at most
     # round_timeout seconds (0 = start at once). For organized starts: no peer runs its first rounds alone.
     wait_for_peers: int = 0
@@ -117,6 +123,8 @@ class SyncConfig:
             raise ValueError(f"sync.alone_warn_rounds must be >= 1, got {self.alone_warn_rounds}")
         if self.follow_below_mbit < 0:
             raise ValueError(f"sync.follow_below_mbit must be >= 0, got {self.follow_below_mbit}")
+        if not 0 <= self.slow_uplink_mbit < 1e6:
+            raise ValueError(f"sync.slow_uplink_mbit must be >= 0, got {self.slow_uplink_mbit}")
         for name in ("round_timeout", "matchmaking_time", "record_ttl", "max_norm_ratio", "outer_lr", "clip_factor",
                      "max_delta_ratio"):
             if getattr(self, name) <= 0:

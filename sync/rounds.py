@@ -54,6 +54,7 @@ from sync.schedule import Scheduling
 from sync.report import RoundReport, _Pending
 from sync.swarm import PeerRecord, Swarm, median_round
 from sync.transfer import ExpertExchange
+from sync.uplink import UplinkMeasuring
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -83,7 +84,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds, Scheduling):
+class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds, Scheduling, UplinkMeasuring):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, rejects: RejectCounter | None = None,
@@ -110,6 +111,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
                         f"all-reduce (its shared changes are not averaged in); its experts are served as usual")
         self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects, max_weight=max_weight, gate=gate,
                                      bandwidth=bandwidth)
+        self._init_uplink()
         # Last synchronized value of each owned expert (what its own change in a round is measured from), rounds
         # since each expert was last synchronized, and owners that let a fetch time out (short timeouts after).
         self._expert_synced: dict[int, Snapshot] = {}
@@ -173,6 +175,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         if take_over_moments and others:  # after publishing: a closed run's doors open to peers with a record
             self._take_over_moments(sorted(self.model.owned_experts), others)
         self.swarm.start_heartbeat()
+        self._maybe_measure_uplink(others)
         return self.round_id
 
     def wait_for_peers(self, count: int, timeout: float, poll: float = 0.5) -> int:

@@ -113,6 +113,9 @@ class Scheduling:
         if self._last_step_at is not None:
             self._step_intervals.append(now - self._last_step_at)
         self._last_step_at = now
+        if self._probes_left and self._pending is None and not self._leaving:
+            # Between rounds, so the probe's bytes do not compete with a round's transfers (sync/uplink.py).
+            self._maybe_measure_uplink(self.progress.others(max_age=2 * self.progress.poll + 1))
         step_time = self.step_time()
         if not self.cfg.start_together or step_time is None or self._leaving or self.follower:
             return

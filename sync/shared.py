@@ -79,14 +79,25 @@ class CountingCompression(CompressionBase):
     are counted by `_install_wire_counting` inside the averager process.
     """
 
-    def __init__(self, inner: CompressionBase, counter: WireCounter):
+    def __init__(self, inner: CompressionBase, counter: WireCounter, switchable: bool = False):
         self.inner = inner
         # Adaptive compressions (8-bit here) have no single type; hivemind only reads the per-tensor one.
         self.compression_type = getattr(inner, "compression_type", None)
         self.counter = counter
+        # Set from the peer's process, read in the averager's (compress runs there): a slow uplink's parts go
+        # 8-bit from the next all-reduce on (sync.slow_uplink_mbit); receivers decode each part by its own codec.
+        self._slow = mp.Value("b", 0, lock=False) if switchable else None
+        self._slow_codec = _eight_bit() if switchable else None
+
+    def use_eight_bit(self, on: bool) -> None:
+        if self._slow is not None:
+            self._slow.value = int(on)
+
+    def _current(self) -> CompressionBase:
+        return self._slow_codec if self._slow is not None and self._slow.value else self.inner
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        out = self.inner.compress(tensor, info, allow_inplace)
+        out = self._current().compress(tensor, info, allow_inplace)
         self.counter.add_sent(len(out.buffer))
         return out
 
@@ -94,6 +105,9 @@ class CountingCompression(CompressionBase):
         return self.inner.extract(serialized_tensor)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        # The configured codec's, even while parts go 8-bit: hivemind cuts the tensors into parts by this ratio,
+        # and every sender's part i must hold the same values (a slow peer cutting 4x larger parts stalled every
+        # all-reduce it joined in bench.wan `mixed`).
         return self.inner.estimate_compression_ratio(info)
 
 
@@ -224,10 +238,12 @@ class SharedAverager:
         self.rejects = rejects
         self.max_weight = max_weight
         self.params = [p for _, p in model.shared_parameters()] if params is None else list(params)
-        if cfg.compression == "8bit":
-            patch_hivemind_8bit_decoder()  # before the averager process forks, so it inherits the fix
+        # Before the averager process forks, so it inherits the fix: whatever this peer sends, a peer on a slow
+        # uplink sends its parts 8-bit (sync.slow_uplink_mbit), and hostile ones may anyway.
+        patch_hivemind_8bit_decoder()
         self.wire = WireCounter()
-        self.compression = CountingCompression(COMPRESSIONS[cfg.compression](), self.wire)
+        self.compression = CountingCompression(COMPRESSIONS[cfg.compression](), self.wire,
+                                               switchable=cfg.compression != "8bit")
         # hivemind's averager sets SIGINT to SIG_IGN in the *calling* process (meant for the forked child) and
         # never restores it, which would make the peer deaf to Ctrl-C: keep the handler it had.
         sigint = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None

@@ -38,6 +38,7 @@ from sync.codec import parse_metadata as _parse_metadata, parse_request_metadata
 from sync.codec import parse_uid as _parse_uid
 from sync.codec import serialize_tensor as _serialize_tensor
 from sync.codec import MIN_8BIT_NUMEL, extract_quantized, patch_hivemind_8bit_decoder  # noqa: F401 (their old home)
+from sync.uplink import PROBE_SECONDS, UplinkSink, measure_upload
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -73,7 +74,7 @@ class _Entry:
 
 
 class _ExpertServicer(ServicerBase):
-    """The one rpc handler; the handle name is `{namespace}::_ExpertServicer.rpc_get_expert`."""
+    """The rpc handlers: `{namespace}::_ExpertServicer.rpc_get_expert`, and `.rpc_uplink_probe` (sync/uplink.py)."""
 
     def __init__(self, exchange: "ExpertExchange") -> None:
         self.exchange = exchange
@@ -90,6 +91,14 @@ class _ExpertServicer(ServicerBase):
             return
         async for message in self.exchange._serve(request.uid, request.metadata):
             yield message
+
+    async def rpc_uplink_probe(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
+                               ) -> runtime_pb2.ExpertResponse:
+        """Another peer measuring its upload (sync/uplink.py): count what it pushes, within the sink's limits."""
+        gate = self.exchange.gate
+        if gate is not None and not await gate.admits(context.remote_id):
+            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
+        return await self.exchange.uplink_sink.absorb(requests, context.remote_id)
 
 
 class ExpertExchange:
@@ -122,6 +131,7 @@ class ExpertExchange:
         self._store: dict[int, dict[int, _Entry]] = {}
         self._bytes = {"sent": {"expert": 0}, "received": {"expert": 0, "shared": 0}}
         self._servicer = _ExpertServicer(self)
+        self.uplink_sink = UplinkSink()
         self._p2p: P2P | None = None
         self._closed = False
         # Codec work runs here, off the event loop, so one big tensor does not stall other transfers.
@@ -282,6 +292,11 @@ class ExpertExchange:
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             future.cancel()
             return None
+
+    def measure_upload(self, peers: list[PeerID]) -> float | None:
+        """This peer's upload in Mbit/s, by pushing bytes to `peers` at once (sync/uplink.py); None if none answered."""
+        calls = [_ExpertServicer.get_stub(self._p2p, p, namespace=self.namespace).rpc_uplink_probe for p in peers]
+        return asyncio.run_coroutine_threadsafe(measure_upload(calls), self._loop).result(timeout=PROBE_SECONDS + 15)
 
     def fetch_moments(self, peer: PeerID, expert: int, timeout: float) -> dict[str, torch.Tensor] | None:
         """Blocking: `peer`'s optimizer moments of `expert` (name -> tensor, not validated), None if it has none."""

@@ -185,3 +185,30 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
                                                    for r in rounds(proc.log_path.read_text())]
     assert "p2pd" not in subprocess.run(["ip", "netns", "pids", home_node.ns], capture_output=True,
                                         text=True).stdout
+
+
+def test_upload_probe_tells_a_slow_uplink_from_a_fast_one(netlab: NetLab) -> None:
+    """sync/uplink.py on real rate-limited links: a peer behind a 5 Mbit/s uplink measures itself below
+    sync.slow_uplink_mbit's default (20), one behind 100 Mbit/s above it (each pushing to the same two sinks)."""
+    import json
+
+    from sync.config import SyncConfig
+
+    threshold = SyncConfig().slow_uplink_mbit
+    for name, up in (("s1", None), ("s2", None), ("fast", 100), ("slow", 5)):
+        netlab.add_public(name, up_mbit=up)
+
+    def agent(name: str, *args: str) -> NsProcess:
+        proc = netlab.python(name, "-m", "tests.netlab_uplink", "--host", netlab.nodes[name].ip, *args, stdin=True)
+        proc.ready = json.loads(proc.expect(r'^\{"re": "ready"', 60).string)
+        return proc
+
+    s1 = agent("s1")
+    s2 = agent("s2", "--initial-peers", json.dumps(s1.ready["maddrs"]))
+    sinks = f"{s1.ready['peer_id']},{s2.ready['peer_id']}"
+    rates = {}
+    for name in ("fast", "slow"):
+        proc = agent(name, "--initial-peers", json.dumps(s1.ready["maddrs"]), "--probe", sinks)
+        rates[name] = json.loads(proc.expect(r'^\{"re": "probe"', 60).string)["mbit"]
+    assert rates["fast"] is not None and rates["fast"] > threshold, rates
+    assert rates["slow"] is not None and 1 < rates["slow"] < threshold, rates

@@ -1,0 +1,150 @@
+"""Measuring this peer's upload (docs/DESIGN.md, "Uneven links"): a probe that pushes bytes to other peers.
+
+A volunteer at home rarely knows (or declares) that its uplink is 5 Mbit/s while the swarm's are 100. Without
+that, hivemind's all-reduce gives it an equal part to reduce and it sends its parts at full precision, and every
+group it joins runs at its pace (bench.wan `mixed`: 30-65 s rounds instead of 5). The rate of its transfers in a
+round tells nothing by itself (a group runs at its slowest member's pace, so every member's send rate drops
+alike), so the peer measures its uplink directly, once it sees other peers: it pushes up to `PROBE_BYTES` of
+random bytes to each of up to 3 of them at once, for at most `PROBE_SECONDS`, and each answers how many bytes it
+received once the stream ended. The estimate is the sum of the per-target rates (bytes received ÷ seconds until
+that target's answer), so one target that answers late lowers it by its share only.
+
+The sink side (`UplinkSink`, served on the expert exchange's handler namespace) reads at most `MAX_SINK_BYTES`
+from one probe, serves at most `MAX_CONCURRENT` probes at once and each sender once per `COOLDOWN` seconds:
+probing costs a peer's downlink a few MB per joining peer, and a hostile peer cannot turn it into more.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.logging import get_logger
+from hivemind.utils.serializer import MSGPackSerializer
+
+logger = get_logger(__name__)
+
+CHUNK_BYTES = 256 * 1024
+PROBE_BYTES = 4 * 2**20  # per target: 0.3 s at 100 Mbit/s, capped by PROBE_SECONDS below ~11 Mbit/s
+PROBE_SECONDS = 3.0
+PROBE_TARGETS = 3
+MAX_SINK_BYTES = 2 * PROBE_BYTES
+MAX_CONCURRENT = 2
+COOLDOWN = 30.0
+FAST_UPLINK_MBIT = 100.0  # what a measured uplink at or above sync.slow_uplink_mbit declares to hivemind
+MAX_PROBES = 3  # attempts (one per round while no target answered), then the uplink stays unknown
+
+_PAYLOAD = runtime_pb2.ExpertRequest(metadata=os.urandom(CHUNK_BYTES))  # incompressible, built once
+
+
+class UplinkSink:
+    """Counts the bytes of probes other peers push to this one (see the module docstring for the limits)."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._last: dict[PeerID, float] = {}
+
+    async def absorb(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], sender: PeerID,
+                     ) -> runtime_pb2.ExpertResponse:
+        now = time.monotonic()
+        self._last = {p: t for p, t in self._last.items() if now - t < COOLDOWN}  # bounded by senders per COOLDOWN
+        if self._active >= MAX_CONCURRENT or sender in self._last:
+            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "busy"}))
+        self._active += 1
+        self._last[sender] = now
+        received = 0
+        try:
+            async for message in requests:
+                received += len(message.metadata)
+                if received >= MAX_SINK_BYTES:
+                    break
+        finally:
+            self._active -= 1
+        return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"received": received}))
+
+
+async def _probe_one(call: Callable[[AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable], started: float,
+                     nbytes: int, seconds: float) -> tuple[int, float] | None:
+    """Push to one target; (bytes it says it received, at most what was sent; seconds until its answer)."""
+    sent = 0
+
+    async def chunks() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        nonlocal sent
+        while sent < nbytes and time.monotonic() - started < seconds:
+            sent += CHUNK_BYTES
+            yield _PAYLOAD
+
+    response = await call(chunks())
+    try:
+        answer = MSGPackSerializer.loads(response.metadata)
+        received = int(answer["received"]) if isinstance(answer, dict) else -1
+    except Exception:  # malformed answer: this target does not count
+        return None
+    if received <= 0:
+        return None
+    return min(received, sent), time.monotonic() - started
+
+
+async def measure_upload(calls: list[Callable[[AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable]],
+                         nbytes: int = PROBE_BYTES, seconds: float = PROBE_SECONDS) -> float | None:
+    """This peer's upload in Mbit/s, pushed to the targets `calls` open a probe stream to (all at once); None if
+    no target answered (busy, gone, malformed). Takes at most `seconds` plus the time to drain what was sent."""
+    started = time.monotonic()
+    results = await asyncio.gather(*(asyncio.wait_for(_probe_one(call, started, nbytes, seconds), seconds + 10.0)
+                                     for call in calls), return_exceptions=True)
+    rates = [received * 8 / max(elapsed, 1e-3) / 1e6 for r in results
+             if isinstance(r, tuple) for received, elapsed in [r]]
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, (asyncio.TimeoutError, ConnectionError, OSError)):
+            logger.debug(f"upload probe failed: {r!r}")
+    return sum(rates) if rates else None
+
+
+class UplinkMeasuring:
+    """SparseSync mixin: measure this peer's upload once other peers are seen (at join, else at a later round's
+    start), unless declared (network.upload_mbit) or sync.slow_uplink_mbit is 0; in a daemon thread, so neither
+    join nor a round waits for it. Below sync.slow_uplink_mbit, hivemind is told the rate (a small part of each
+    all-reduce to reduce) and the all-reduce parts go 8-bit; at or above it, FAST_UPLINK_MBIT is declared."""
+
+    def _init_uplink(self) -> None:
+        self.measured_upload: float | None = None
+        measure = self.bandwidth is None and self.cfg.slow_uplink_mbit > 0 and not self.follower
+        self._probes_left = MAX_PROBES if measure else 0
+        self._probing = False
+        if self.bandwidth is not None and self.bandwidth < self.cfg.slow_uplink_mbit:
+            self.shared.compression.use_eight_bit(True)  # a declared slow uplink: its parts go 8-bit too
+
+    def _maybe_measure_uplink(self, others: dict) -> None:
+        if self._probes_left <= 0 or self._probing or not others:
+            return
+        self._probing, self._probes_left = True, self._probes_left - 1
+        targets = random.sample(sorted(others), min(PROBE_TARGETS, len(others)))
+        threading.Thread(target=self._measure_uplink, args=(targets,), daemon=True, name="spes-uplink-probe").start()
+
+    def _measure_uplink(self, targets: list[str]) -> None:
+        try:
+            rate = self.exchange.measure_upload([PeerID.from_base58(t) for t in targets])
+        except Exception as e:  # the exchange is shutting down, or every target failed: maybe next round
+            logger.debug(f"upload probe failed: {e!r}")
+            rate = None
+        finally:
+            self._probing = False
+        if rate is None:
+            return
+        self._probes_left, self.measured_upload = 0, rate
+        slow = rate < self.cfg.slow_uplink_mbit
+        self.bandwidth = rate if slow else FAST_UPLINK_MBIT
+        self.shared.averager.bandwidth = self.bandwidth  # read by each step() in this process
+        self.shared.compression.use_eight_bit(slow)
+        if slow:
+            logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
+                        f"sync.slow_uplink_mbit ({self.cfg.slow_uplink_mbit:g}): this peer reduces a matching small "
+                        f"part of each all-reduce and sends its parts 8-bit (set network.upload_mbit to override)")
+        else:
+            logger.info(f"upload measured at {rate:.0f} Mbit/s (probe to {len(targets)} peer(s)): an equal share "
+                        f"of each all-reduce (declared as {FAST_UPLINK_MBIT:g})")

@@ -1,0 +1,144 @@
+"""Measuring a peer's upload with a probe (sync/uplink.py; docs/DESIGN.md, "Uneven links"): what a sink counts,
+its limits against abuse, and what a peer does with a slow result. The rate itself is measured on a real
+rate-limited link in tests/test_netns.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from sync.uplink import COOLDOWN, FAST_UPLINK_MBIT, MAX_SINK_BYTES, UplinkSink, measure_upload
+from tests.conftest import sync_cfg
+
+
+def test_probe_between_real_peers_gives_a_rate_and_the_sink_limits_each_sender(swarm_factory):
+    a = swarm_factory([0], sync_cfg())
+    b = swarm_factory([1], sync_cfg())
+    c = swarm_factory([2], sync_cfg())  # sees a and b at join: probes them in the background
+    deadline = time.monotonic() + 20
+    while c.sync.measured_upload is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.sync.measured_upload is not None and c.sync.measured_upload > 20  # loopback: far above 20
+    assert c.sync.shared.averager.bandwidth == FAST_UPLINK_MBIT  # equal shares among fast peers
+    # Each sender once per COOLDOWN: a second probe at once finds both sinks busy.
+    assert c.sync.exchange.measure_upload([a.sync.exchange.peer_id, b.sync.exchange.peer_id]) is None
+    assert COOLDOWN >= 10
+
+
+def test_sink_reads_no_more_than_its_cap_and_answers_busy_beyond_its_concurrency():
+    async def scenario() -> None:
+        sink = UplinkSink()
+        chunk = runtime_pb2.ExpertRequest(metadata=b"x" * 65536)
+
+        async def endless():
+            while True:
+                yield chunk
+                await asyncio.sleep(0)
+
+        answer = MSGPackSerializer.loads((await sink.absorb(endless(), PeerID(b"a" * 34))).metadata)
+        assert answer == {"received": MAX_SINK_BYTES}
+
+        gate = asyncio.Event()
+
+        async def held():
+            yield chunk
+            await gate.wait()
+
+        first = asyncio.create_task(sink.absorb(held(), PeerID(b"b" * 34)))
+        second = asyncio.create_task(sink.absorb(held(), PeerID(b"c" * 34)))
+        await asyncio.sleep(0.05)
+        third = MSGPackSerializer.loads((await sink.absorb(held(), PeerID(b"d" * 34))).metadata)
+        assert third == {"error": "busy"}
+        gate.set()
+        for task in (first, second):
+            assert MSGPackSerializer.loads((await task).metadata) == {"received": 65536}
+    asyncio.run(scenario())
+
+
+def test_lying_or_broken_targets_do_not_inflate_the_estimate():
+    """A target claiming more than was sent counts as what was sent; malformed or failing ones not at all."""
+    async def scenario() -> None:
+        async def liar(requests):
+            async for _ in requests:
+                pass
+            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"received": 10**12}))
+
+        async def garbage(requests):
+            return runtime_pb2.ExpertResponse(metadata=b"\xff\x00")
+
+        async def failing(requests):
+            raise ConnectionError("gone")
+
+        rate = await measure_upload([liar], nbytes=2**20, seconds=1.0)
+        assert rate is not None and rate < 1e5
+        assert await measure_upload([garbage, failing], nbytes=2**20, seconds=1.0) is None
+    asyncio.run(scenario())
+
+
+def test_a_slow_measured_uplink_reduces_a_small_part_and_sends_its_parts_8bit(swarm_factory, monkeypatch):
+    """What a peer does with a measured rate below sync.slow_uplink_mbit: hivemind gets the rate (its share of
+    each all-reduce to reduce shrinks to what the others' 100 leave it) and its parts go 8-bit; the all-reduce
+    still averages, within 8-bit precision, at the peers that send and expect full precision."""
+    import torch
+
+    from tests.conftest import local_training, round_all, shared_params
+
+    cfg = sync_cfg(slow_uplink_mbit=20.0)
+    peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
+    slow = peers[2]
+    for peer, rate in zip(peers, (95.0, 110.0, 5.0)):  # as the probe measured them (tests/test_netns.py)
+        monkeypatch.setattr(peer.sync.exchange, "measure_upload", lambda targets, rate=rate: rate)
+    for peer in peers:
+        peer.sync.join(step=0, tokens=0)  # probes the peers it sees (none for the first: at its next step)
+    peers[0].sync._maybe_measure_uplink({p.swarm.peer_id: None for p in peers[1:]})
+    deadline = time.monotonic() + 10
+    while any(p.sync._probing or p.sync.measured_upload is None for p in peers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p.sync.shared.averager.bandwidth for p in peers] == [100.0, 100.0, 5.0]
+    assert slow.sync.measured_upload == 5.0 and slow.sync._probes_left == 0
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=i)
+    before = [shared_params(p) for p in peers]
+    sent = [p.sync.shared.bytes_sent() for p in peers]
+    reports = round_all(peers)
+    assert all(r.group_size == 3 for r in reports), reports
+    mean = {n: sum(b[n] for b in before) / 3 for n in before[0]}
+    for peer in peers:
+        for name, value in shared_params(peer).items():
+            assert torch.allclose(value, mean[name], atol=0.02), name  # 8-bit parts: 1/255 of each part's range
+    # The slow peer reduced nothing and sent its whole vector as inputs, 8-bit (fp16 below 1,032 values, where the
+    # 8-bit codebook costs more: most of this test model's tensors): under half its fp32 bytes (45 % here; a
+    # quarter on a real model), where the fast peers sent over a full copy each (inputs plus their part's results).
+    fp32 = slow.sync.shared.payload_bytes()
+    slow_sent = slow.sync.shared.bytes_sent() - sent[2]
+    assert slow_sent < 0.5 * fp32, (slow_sent, fp32)
+    assert all(p.sync.shared.bytes_sent() - s > 0.9 * fp32 for p, s in zip(peers[:2], sent[:2]))
+
+
+def test_parts_keep_their_layout_when_a_slow_uplink_switches_to_8bit():
+    """hivemind cuts each sender's tensors into parts by its codec's estimated ratio, and a reducer combines the
+    senders' part i: a peer whose parts go 8-bit must still cut them like the others (it cut 4x larger ones
+    and stalled every all-reduce it joined)."""
+    import torch
+    from hivemind.averaging.partition import TensorPartContainer
+    from hivemind.compression import NoCompression
+
+    from sync.shared import CountingCompression, WireCounter
+
+    tensors = [torch.randn(70_000), torch.randn(300, 200)]
+    plain = CountingCompression(NoCompression(), WireCounter(), switchable=True)
+    slow = CountingCompression(NoCompression(), WireCounter(), switchable=True)
+    slow.use_eight_bit(True)
+
+    def layout(compression):
+        container = TensorPartContainer(tensors, peer_fractions=(0.5, 0.5), compression=compression,
+                                        part_size_bytes=2**16)
+        return [[part.shape for part in container.get_raw_input_parts(i)] for i in range(2)]
+
+    assert layout(slow) == layout(plain) and len(layout(plain)[0]) > 2
+    info = TensorPartContainer(tensors, peer_fractions=(0.5, 0.5), compression=slow, part_size_bytes=2**16)
+    part, part_info = info._input_parts_by_peer[0][0]
+    assert len(slow.compress(part, part_info).buffer) < len(plain.compress(part, part_info).buffer) / 3
