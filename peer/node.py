@@ -27,6 +27,7 @@ from peer.train import Trainer
 from sync.merge import merge_alpha
 from sync.rounds import RoundReport, SparseSync
 from sync.reach import NetworkMode, PeerDialer, reachability_line
+from sync.relay import RelayKeeper
 from sync.swarm import Swarm, SwarmError, start_dht
 from sync.validate import RejectCounter
 
@@ -77,6 +78,7 @@ class PeerNode:
         self.metrics = metrics
         self.swarm: Swarm | None = None
         self.dialer: PeerDialer | None = None
+        self.relay_keeper: RelayKeeper | None = None
         self.sync: SparseSync | None = None
         self.blocked_seconds = 0.0
         self._started = time.perf_counter()
@@ -189,6 +191,10 @@ class PeerNode:
         for maddr in visible:
             logger.info(f"initial peer: {maddr}")
         logger.info(reachability_line(mode, visible, relays=initial_peers))
+        if mode.use_auto_relay:
+            # p2pd's autorelay asks a relay once and never again within an hour after a failure or a dropped
+            # connection: this peer keeps its reservations itself (sync/relay.py).
+            self.relay_keeper = RelayKeeper(dht, initial_peers).start()
         if mode.behind_nat:
             # Nobody can open a connection to this peer except through a (limited) relay: it opens one to
             # every peer of the run itself, before joining and then continuously (docs/DESIGN.md).
@@ -295,6 +301,9 @@ class PeerNode:
         if self.dialer is not None:
             self.dialer.shutdown()  # it uses the DHT that is about to stop
             self.dialer = None
+        if self.relay_keeper is not None:
+            self.relay_keeper.shutdown()  # likewise
+            self.relay_keeper = None
         if self.sync is not None:
             # A peer that completed its run (not stopped, not failed) says so: the peers still running do not
             # adopt its experts for their last steps.

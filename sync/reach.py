@@ -5,7 +5,8 @@ A home peer without a forwarded port can open connections but accept none. Two w
 * **relay** (`use_auto_relay`): the peer reserves a slot on libp2p circuit relays (the run's initial peers,
   normally the bootstrap node, which relays by default) and announces `<relay>/p2p-circuit` addresses, so that
   any peer can reach it by peer ID. Relayed connections are small and short (libp2p's default relay limits:
-  128 KiB, 2 min), so they serve to *reach* the peer, not to move tensors;
+  128 KiB, 2 min), so they serve to *reach* the peer, not to move tensors; the reservations are kept by
+  sync/relay.py, because p2pd's autorelay does not renew one it lost within an hour;
 * **client mode** (`client_mode`): the DHT and averagers run as hivemind clients — they only make requests and
   are never asked to lead a group, reduce a part or share state.
 

@@ -157,7 +157,10 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
     assert ("through relays" in line) if mode == "--use-auto-relay" else ("client mode" in line), line
 
     if mode == "--use-auto-relay":
-        # A public node that never had a connection to the home peer reaches it by its peer ID, via the relay.
+        # The home peer holds a reservation on the bootstrap node (sync/relay.py: asked right after start) ...
+        boot_id = initial.rsplit("/p2p/", 1)[1]
+        home.wait_log(rf"relay reservation on {boot_id[-6:]}: reachable by peer ID", 20)
+        # ... so a public node that never had a connection to it reaches it by its peer ID, via the relay.
         fresh = netlab.p2p_agent("fresh", {"initial_peers": [initial], **FRESH})
         # (its kad-DHT client may already have found the home peer on its own: then only through the relay too)
         before = fresh.request("info", 10)["peers"].get(home_id, [])
@@ -168,7 +171,8 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
             if reply["ok"] or time.monotonic() > deadline:
                 break
             time.sleep(6)
-        assert reply["ok"] and reply["via"] and all("/p2p-circuit" in a for a in reply["via"]), reply
+        assert reply["ok"] and reply["via"] and all("/p2p-circuit" in a for a in reply["via"]), \
+            (reply, home.log_tail(40))
 
     for proc in (home, *publics):
         assert proc.wait(timeout=150) == 0, proc.log_tail(60)
