@@ -115,22 +115,25 @@ def parse_uid(uid: str) -> tuple[bool, int, int] | None:
     return (match.group(1) == "m", int(match.group(2)), int(match.group(3))) if match else None
 
 
-def parse_request_metadata(raw: bytes) -> tuple[bool, int | None]:
-    """(well-formed, min_round) of a request's optional metadata."""
+def parse_request_metadata(raw: bytes) -> tuple[bool, int | None, bool]:
+    """(well-formed, min_round, bf16) of a request's optional metadata; bf16: the fetcher stores the copy in
+    bfloat16, so more precision than that would be bytes it throws away (sync/transfer.py)."""
     if not raw:
-        return True, None
+        return True, None, False
     if len(raw) > _MAX_REQUEST_METADATA:
-        return False, None
+        return False, None, False
     try:
         meta = MSGPackSerializer.loads(raw)
     except Exception:
-        return False, None
+        return False, None, False
     if not isinstance(meta, dict):
-        return False, None
-    min_round = meta.get("min_round")
+        return False, None, False
+    min_round, bf16 = meta.get("min_round"), meta.get("bf16", False)
     if min_round is not None and (isinstance(min_round, bool) or not isinstance(min_round, int) or min_round < 0):
-        return False, None
-    return True, min_round
+        return False, None, False
+    if not isinstance(bf16, bool):
+        return False, None, False
+    return True, min_round, bf16
 
 
 def parse_metadata(raw: bytes) -> dict:

@@ -171,11 +171,19 @@ class ExpertFetching:
                 timeout = self._fetch_timeout(record.peer_id)
                 # An owner that is behind serves the newest round it has; one round of staleness is expected.
                 future = self.exchange.fetch_async(PeerID.from_base58(record.peer_id), expert, self.round_id,
-                                                   timeout=timeout, min_round=min(self.round_id, record.round))
+                                                   timeout=timeout, min_round=min(self.round_id, record.round),
+                                                   bf16=self._stored_in_bf16(expert))
                 fetch = _Fetch(future, timeout, time.monotonic(), self.round_id)
                 future.add_done_callback(lambda f, fetch=fetch: fetch.done_at())
                 self._inflight[key] = fetch
         return owners
+
+    def _stored_in_bf16(self, expert: int) -> bool:
+        """Whether this peer keeps `expert` in bfloat16 (a frozen copy, model.frozen_expert_dtype's default): then
+        an fp32 copy would cost twice the bytes for precision rounded away on arrival. An owned (trainable)
+        expert is kept in fp32, and a co-owner's copy is averaged into it: asked at full precision."""
+        tensors = self.model.expert_tensors(expert)
+        return bool(tensors) and all(t.dtype == torch.bfloat16 for t in tensors.values())
 
     def _collect_means(self, owners: dict[int, list[str]], own_snapshots: dict[int, Snapshot],
                        rel_change: float | None, deadline: float) -> dict[int, Snapshot]:
@@ -255,9 +263,10 @@ class ExpertFetching:
         rate = timing.get("received bytes", 0) / max(timing.get("all-reduce", 0.0), 1e-3)
         if rate <= 0:
             return self.cfg.round_timeout
-        per_expert = sum(t.numel() for t in self.model.expert_tensors(0).values()) * _WIRE_BYTES[self.cfg.compression]
-        need = per_expert * sum(1 for e, peers in owners.items() if e not in own for p in peers
-                                if (e, p) in self._inflight and not self._inflight[(e, p)].late)
+        numel = sum(t.numel() for t in self.model.expert_tensors(0).values())
+        wire = {e: numel * min(_WIRE_BYTES[self.cfg.compression], 2 if self._stored_in_bf16(e) else 4) for e in owners}
+        need = sum(wire[e] for e, peers in owners.items() if e not in own for p in peers
+                   if (e, p) in self._inflight and not self._inflight[(e, p)].late)
         return min(self.cfg.round_timeout, max(2.0, 2.0 * need / rate + 1.0))
 
     def _change_ok(self, expert: int, tensors: Snapshot, synced: Snapshot, rel_change: float) -> bool:

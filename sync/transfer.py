@@ -5,8 +5,9 @@ owners' experts, all through a single streaming rpc handler (not one averager pe
 
 - request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")` (or `"m{expert}@0"`: the owner's AdamW moments of the
   expert, for a peer taking it over; docs/DESIGN.md "Coverage"), optionally with `metadata` = MSGPack
-  `{"min_round": m}`: if that round is not there, an older copy no older than round `m` may be served instead
-  (an owner one round behind; docs/DESIGN.md, "Bandwidth-aware rounds");
+  `{"min_round": m, "bf16": true}` (both optional): if that round is not there, an older copy no older than round
+  `m` may be served instead (an owner one round behind; docs/DESIGN.md, "Bandwidth-aware rounds"); `bf16`: the
+  fetcher stores the copy in bf16, so it gets the tensors rounded to bf16 (half the bytes; moments never);
 - response stream of `runtime_pb2.ExpertResponse`: first message `metadata` = MSGPack `{"names": [...],
   "round": r}` — r is the round asked for, or the owner's newest if that one is gone and a later one exists;
   older only as `min_round` allows — (or `{"error": "missing" | "bad request" | "internal"}` and the stream
@@ -63,14 +64,17 @@ class IncompleteResponse(ConnectionError):
 
 
 class _Entry:
-    """One published (expert, round): CPU snapshot until first served, then only its serialized form."""
+    """One published (expert, round): CPU snapshot until every form it can be asked for was made (as published,
+    and bf16 for fetchers that store copies in bf16), then only the serialized forms."""
 
     def __init__(self, names: list[str], tensors: list[torch.Tensor], codec: int | None = None) -> None:
         self.names = names
         self.codec = codec  # None: the exchange's
         self.tensors: list[torch.Tensor] | None = tensors
-        self.serialized: list[runtime_pb2.Tensor] | None = None
-        self.job: asyncio.Future | None = None  # touched only on the exchange's loop thread
+        # Serialized forms by "bf16" (False: as published, with the exchange's codec); the jobs making them are
+        # touched only on the exchange's loop thread.
+        self.serialized: dict[bool, list[runtime_pb2.Tensor]] = {}
+        self.job: dict[bool, asyncio.Future] = {}
 
 
 class _ExpertServicer(ServicerBase):
@@ -209,25 +213,38 @@ class ExpertExchange:
             rounds = self._store.get(int(expert))
             return max(rounds) if rounds else None
 
-    def _serialize_entry(self, entry: _Entry) -> list[runtime_pb2.Tensor]:
+    def _forms(self, entry: _Entry) -> set[bool]:
+        """The serialized forms `entry` can be asked for: a bf16 one only where it is smaller than the codec's
+        (codec "none"; fp16/8-bit are no bigger) and the entry is not exact by design (AdamW moments)."""
+        return {False, True} if entry.codec is None and self._codec == COMPRESSION_TYPES["none"] else {False}
+
+    def _serialize_entry(self, entry: _Entry, bf16: bool) -> list[runtime_pb2.Tensor]:
         codec = entry.codec if entry.codec is not None else self._codec
-        serialized = [_serialize_tensor(t, codec) for t in entry.tensors]
-        entry.serialized, entry.tensors = serialized, None  # keep one form only: the serialized one is served
+        tensors = entry.tensors
+        assert tensors is not None, "every form is made before the snapshot is dropped"
+        # bf16: rounded here exactly as the fetcher would round an fp32 copy into its bf16 frozen storage.
+        serialized = [_serialize_tensor(t.to(torch.bfloat16) if bf16 and t.is_floating_point() else t, codec)
+                      for t in tensors]
+        entry.serialized[bf16] = serialized
+        if set(entry.serialized) >= self._forms(entry):
+            entry.tensors = None  # only serialized forms are served from now on: the snapshot is not kept twice
         return serialized
 
-    async def _serialized(self, entry: _Entry) -> list[runtime_pb2.Tensor]:
-        if entry.serialized is not None:
-            return entry.serialized
-        if entry.job is None:  # concurrent requests for the same expert share one serialization
-            entry.job = asyncio.get_running_loop().run_in_executor(self._executor, self._serialize_entry, entry)
-        return await asyncio.shield(entry.job)
+    async def _serialized(self, entry: _Entry, bf16: bool = False) -> list[runtime_pb2.Tensor]:
+        bf16 = bf16 and True in self._forms(entry)
+        if bf16 in entry.serialized:
+            return entry.serialized[bf16]
+        if bf16 not in entry.job:  # concurrent requests for the same form share one serialization
+            entry.job[bf16] = asyncio.get_running_loop().run_in_executor(self._executor, self._serialize_entry,
+                                                                         entry, bf16)
+        return await asyncio.shield(entry.job[bf16])
 
     async def _serve(self, uid: str, metadata: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The response stream for one request; never raises (a hostile request only ends its own stream)."""
         def error(kind: str) -> runtime_pb2.ExpertResponse:
             return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": kind}))
 
-        parsed, (well_formed, min_round) = _parse_uid(uid), _parse_request_metadata(metadata)
+        parsed, (well_formed, min_round, bf16) = _parse_uid(uid), _parse_request_metadata(metadata)
         if parsed is None or not well_formed:
             logger.debug(f"Refusing malformed expert request uid {uid[:40]!r}")
             yield error("bad request")
@@ -241,7 +258,7 @@ class ExpertExchange:
             yield error("missing")
             return
         try:
-            serialized = await self._serialized(entry)
+            serialized = await self._serialized(entry, bf16)
         except Exception as e:
             logger.warning(f"Cannot serialize expert {expert}@{round_id}: {e!r}")
             yield error("internal")
@@ -264,10 +281,11 @@ class ExpertExchange:
     # ---- fetching ------------------------------------------------------------------------------------------
 
     def fetch_async(self, peer: PeerID, expert: int, round_id: int, timeout: float,
-                    min_round: int | None = None) -> concurrent.futures.Future:
+                    min_round: int | None = None, bf16: bool = False) -> concurrent.futures.Future:
         """Start fetching `expert@round_id` from `peer`; the future gives a `FetchedExpert` (name -> tensor, and
         the round served) or None. `min_round`: the oldest copy acceptable if round_id is not there (default:
-        round_id itself).
+        round_id itself). `bf16`: this peer keeps the copy in bfloat16, so the owner sends it rounded to that
+        (half the bytes of fp32, and the same values this peer would store); an older owner ignores the flag.
 
         The future never raises; it is cancelled only if the exchange shuts down mid-fetch.
         """
@@ -275,17 +293,18 @@ class ExpertExchange:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
             return done
-        options = MSGPackSerializer.dumps({"min_round": int(min_round)}) if min_round is not None else b""
+        request = {**({"min_round": int(min_round)} if min_round is not None else {}), **({"bf16": True} if bf16 else {})}
+        options = MSGPackSerializer.dumps(request) if request else b""
         return asyncio.run_coroutine_threadsafe(
             self._fetch(peer, int(expert), int(round_id), timeout, options,
                         int(round_id) if min_round is None else int(min_round)), self._loop)
 
     def fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float,
-              min_round: int | None = None) -> FetchedExpert | None:
+              min_round: int | None = None, bf16: bool = False) -> FetchedExpert | None:
         """Blocking fetch (from any thread but the exchange's own); None if unavailable, late or malformed."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("ExpertExchange.fetch would deadlock on its own loop; use fetch_async")
-        future = self.fetch_async(peer, expert, round_id, timeout, min_round=min_round)
+        future = self.fetch_async(peer, expert, round_id, timeout, min_round=min_round, bf16=bf16)
         try:
             # _fetch bounds itself by `timeout`; the margin covers scheduling on a busy machine.
             return future.result(timeout=timeout + 5.0)

@@ -99,6 +99,43 @@ def test_roundtrip_per_compression(dhts, make_exchange):
     assert sizes["8bit"] < sizes["fp16"] < sizes["none"], sizes
 
 
+def test_bf16_copies_are_the_fp32_values_rounded_in_half_the_bytes(dhts, make_exchange):
+    """A fetcher that keeps the copy in bf16 asks for it so: the owner sends exactly what the fetcher would have
+    stored (fp32 rounded to bf16), in half the bytes; a full-precision fetch of the same entry is still exact,
+    whichever form was asked first; codecs already at 16 bits or less are served as configured."""
+    dht_a, dht_b, _ = dhts
+    expert = {k: v.float() for k, v in make_expert(4).items()}
+    for first in ("bf16", "full"):
+        ns = fresh_namespace()
+        a, b = make_exchange(dht_a, ns), make_exchange(dht_b, ns)
+        a.publish(2, 5, expert)
+        sizes = {}
+        for form in (first, "full" if first == "bf16" else "bf16"):
+            before = b.bytes_received["expert"]
+            got = b.fetch(a.peer_id, 5, 2, timeout=20, **({"bf16": True} if form == "bf16" else {}))
+            assert got is not None and set(got) == set(expert)
+            sizes[form] = b.bytes_received["expert"] - before
+            for name, ref in expert.items():
+                want = ref.to(torch.bfloat16) if form == "bf16" else ref
+                assert got[name].dtype == want.dtype and torch.equal(got[name], want), (form, name)
+        assert sizes["bf16"] * 2 == sizes["full"], sizes
+        # Both forms made: the fp32 snapshot is dropped, each form is still served from its bytes.
+        entry = a._store[5][2]
+        assert entry.tensors is None and set(entry.serialized) == {False, True}
+        assert torch.equal(b.fetch(a.peer_id, 5, 2, timeout=20, bf16=True)["layers.0.down_proj"],
+                           expert["layers.0.down_proj"].to(torch.bfloat16))
+    ns = fresh_namespace()
+    a, b = make_exchange(dht_a, ns, compression="fp16"), make_exchange(dht_b, ns, compression="fp16")
+    a.publish(2, 5, expert)
+    got, plain = b.fetch(a.peer_id, 5, 2, timeout=20, bf16=True), b.fetch(a.peer_id, 5, 2, timeout=20)
+    assert got is not None and plain is not None  # the codec's form, not bf16
+    assert all(got[n].dtype == plain[n].dtype and torch.equal(got[n], plain[n]) for n in expert)
+    for options in ({"bf16": 1}, {"bf16": "yes"}, {"bf16": None}):
+        raw = MSGPackSerializer.dumps(options)
+        meta, _ = asyncio.run_coroutine_threadsafe(b._request(a.peer_id, "5@2", raw), b._loop).result(timeout=10)
+        assert meta == {"error": "bad request"}, options
+
+
 def test_missing_and_keep_rounds(dhts, make_exchange):
     dht_a, dht_b, _ = dhts
     ns = fresh_namespace()
