@@ -81,6 +81,9 @@ class PeerMetrics:
         self.rollbacks = Counter("spes_sync_rollbacks", "Applied rounds rolled back after a non-finite loss",
                                  registry=r)
         self.parameters = Gauge("spes_parameters", "Parameter counts of the local model", ["kind"], registry=r)
+        self.relay_reservations = Gauge("spes_relay_reservations", "Relays holding a reservation for this peer "
+                                        "(--use-auto-relay; 0 otherwise): 0 with the flag = unreachable by strangers",
+                                        registry=r)
         # Every label value exists from the start: a series that appears only on its first event breaks rate().
         for kind in BYTE_KINDS:
             self.bytes_sent.labels(kind=kind)
@@ -174,11 +177,13 @@ class PeerMetrics:
         self.round_seconds.observe(seconds)
 
     def observe_sync(self, blocked_seconds: float, bytes_sent: Mapping[str, int], bytes_received: Mapping[str, int],
-                     rejected: Mapping[str, int], alone_rounds: int = 0, rollbacks: int = 0) -> None:
+                     rejected: Mapping[str, int], alone_rounds: int = 0, rollbacks: int = 0,
+                     relay_reservations: int = 0) -> None:
         """The sync side's cumulative counters (any thread)."""
         self._mirror(self.blocked, blocked_seconds)
         self._mirror(self.rollbacks, rollbacks)
         self.alone_rounds.set(alone_rounds)
+        self.relay_reservations.set(relay_reservations)
         for kind in BYTE_KINDS:
             self._mirror(self.bytes_sent, bytes_sent.get(kind, 0), kind=kind)
             self._mirror(self.bytes_received, bytes_received.get(kind, 0), kind=kind)

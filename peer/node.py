@@ -224,7 +224,8 @@ class PeerNode:
         self._log_round(self.sync.finish_round(block=False), trainer)
         if self.sync.handed_over:  # moments of experts a round just adopted from a leaving peer (sync/leave.py)
             self._load_handed_over()
-        if self.sync.round_due(trainer.step - self._step_at_round):
+        since_round, steps_left = trainer.step - self._step_at_round, self.cfg.train.max_steps - trainer.step
+        if self.sync.round_due(since_round) or self.sync.final_round_due(since_round, steps_left):
             self._step_at_round = trainer.step
             if self.dialer is not None:
                 self.dialer.poke()  # peers that joined since the last pass get a connection for this round
@@ -261,7 +262,8 @@ class PeerNode:
         return {"bytes_sent": self.sync.bytes_sent(), "bytes_received": self.sync.bytes_received(),
                 "blocked_s": self.blocked_seconds, "rejected": self.sync.rejects.counts(),
                 "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone,
-                "deferred_rounds": self.sync.deferred_rounds, "held_steps": self.sync.held_steps}
+                "deferred_rounds": self.sync.deferred_rounds, "held_steps": self.sync.held_steps,
+                "relay_reservations": self.relay_keeper.held_count() if self.relay_keeper is not None else 0}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""
@@ -271,7 +273,8 @@ class PeerNode:
         if syncing:
             self.metrics.observe_sync(self.blocked_seconds, self.sync.bytes_sent(), self.sync.bytes_received(),
                                       self.sync.rejects.counts(), alone_rounds=self.sync.rounds_alone,
-                                      rollbacks=self.sync.rollbacks)
+                                      rollbacks=self.sync.rollbacks, relay_reservations=self.relay_keeper.held_count()
+                                      if self.relay_keeper is not None else 0)
 
     def _log_round(self, report: RoundReport | None, trainer: Trainer) -> None:
         if report is None:

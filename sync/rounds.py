@@ -419,9 +419,12 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
             draining = self._give_up_at < math.inf
             if (self._leaving or time.monotonic() > self._give_up_at or (draining and self._nobody_left())
                     ) and not cancelled:
-                cancelled = True
                 averagers = [self.shared] + ([self._expert_avg] if self._expert_avg is not None else [])
+                # Until it takes: right after the round started, its network part may not have begun looking for
+                # a group yet (publish, records read), and a one-shot cancel then left a drained last round
+                # looking for the whole round_timeout (90 s in bench.convergence's smoke run, a CI failure).
                 if any([avg.cancel_matchmaking() for avg in averagers]):
+                    cancelled = True
                     logger.info("stopped looking for an averaging group for this round (leaving, or last step done)")
 
     def _nobody_left(self) -> bool:

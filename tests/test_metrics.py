@@ -41,10 +41,12 @@ PEER_METRICS = {
     "spes_rejected_tensors_total": ("counter", {"reason"}),
     "spes_parameters": ("gauge", {"kind"}),
 }
-# Beyond the spec (issue 9, "Visibility"): rounds in a row averaged with nobody, rollbacks after a bad round.
+# Beyond the spec (issue 9, "Visibility"): rounds in a row averaged with nobody, rollbacks after a bad round;
+# (issue 13) relay reservations held.
 EXTRA_PEER_METRICS = {
     "spes_sync_alone_rounds": ("gauge", set()),
     "spes_sync_rollbacks_total": ("counter", set()),
+    "spes_relay_reservations": ("gauge", set()),  # issue 13: is a peer behind NAT reachable through a relay
 }
 # Served by the bootstrap node.
 SWARM_METRICS = {"spes_swarm_peers", "spes_swarm_expert_replicas", "spes_swarm_tokens_total",

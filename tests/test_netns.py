@@ -18,6 +18,7 @@ down afterwards, also on failure.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -187,6 +188,11 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
         full = [r for r in rounds(proc.log_path.read_text()) if r.group == 3 and r.synced == 3 and not r.missing]
         assert len(full) >= len(home_rounds) - 2, [(r.round_id, r.group, r.synced)
                                                    for r in rounds(proc.log_path.read_text())]
+    # What spes_relay_reservations serves, as the home peer's metrics.jsonl recorded it while it trained.
+    held = [json.loads(line).get("relay_reservations") for line in
+            (netlab.workdir / "run-home" / "metrics.jsonl").read_text().splitlines()]
+    held = [h for h in held if h is not None]  # records before the sync side started have no such field
+    assert held and ((max(held) == 1) if mode == "--use-auto-relay" else set(held) == {0}), held
     assert "p2pd" not in subprocess.run(["ip", "netns", "pids", home_node.ns], capture_output=True,
                                         text=True).stdout
 
