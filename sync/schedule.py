@@ -194,7 +194,9 @@ class Scheduling:
         shifted by up to every/2 steps (it held a round for a later peer, or deferred one), so its last interval
         is short. Without this it ended its run with those steps never synchronized while the others' last round
         (on the unshifted steps) looked for it in vain (bench.convergence smoke: one round alone, a CI failure).
-        A shorter interval than that (a peer that joined the swarm's round early) closes without a round."""
+        The same holds for every peer of a run whose length is not a multiple of `every` (all of them then close
+        with a round at the same step). A shorter interval than every/2 (a peer that joined the swarm's round
+        early) closes without one."""
         return (steps_left <= 0 and not self._leaving and not self.follower
                 and self.cfg.every - self._extra_steps() <= steps_since_round < self.cfg.every)
 
