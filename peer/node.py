@@ -224,9 +224,8 @@ class PeerNode:
         self._log_round(self.sync.finish_round(block=False), trainer)
         if self.sync.handed_over:  # moments of experts a round just adopted from a leaving peer (sync/leave.py)
             self._load_handed_over()
-        since_round, steps_left = trainer.step - self._step_at_round, self.cfg.train.max_steps - trainer.step
-        if self.sync.round_due(since_round) or self.sync.final_round_due(since_round, steps_left):
-            self._step_at_round = trainer.step
+        if self.sync.round_due(trainer.step - self._step_at_round):
+            self._step_at_round = trainer.step - self.sync.round_shift
             if self.dialer is not None:
                 self.dialer.poke()  # peers that joined since the last pass get a connection for this round
             # Claimed as the others will count it: at most the run's cap (a K-process peer above
@@ -236,7 +235,12 @@ class PeerNode:
             self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
             self._log_round(self.sync.start_round(trainer.step, trainer.tokens, since), trainer)
             if not self.cfg.sync.overlap:
-                self._log_round(self.sync.finish_round(block=True), trainer)
+                if trainer.step >= self.cfg.train.max_steps:
+                    # The run's last round: as `_finish` drains one, it stops looking for a group once the others
+                    # are gone (or after the grace), not after round_timeout (90 s at the end of a 2-peer run).
+                    self._log_round(self.sync.drain(self.cfg.sync.matchmaking_time + 5.0), trainer)
+                else:
+                    self._log_round(self.sync.finish_round(block=True), trainer)
                 if self.sync.handed_over:
                     self._load_handed_over()
         elif self.sync.shared_round_due(trainer.step - self._step_at_shared):
