@@ -261,7 +261,7 @@ class Attacker:
             raise RuntimeError("silent attack: sync.transfer.ExpertExchange no longer has _serve; update the attack")
         stop = self._stop
 
-        async def never(uid: str, metadata: bytes = b""):
+        async def never(uid: str, metadata: bytes = b"", requester=None):
             import asyncio
             while not stop.is_set():
                 await asyncio.sleep(0.5)

@@ -58,6 +58,10 @@ class SyncConfig:
     # (equal shares among fast peers: a measurement varies too much between equal links to split by it).
     # 0 = never measure (an undeclared uplink gets an equal share, full precision).
     slow_uplink_mbit: float = 20.0
+    # While this peer's uplink is below slow_uplink_mbit: send each bf16 expert copy out once per round and send
+    # the other requesters to a peer that already holds it (checked against this owner's digest; sync/copies.py),
+    # instead of one copy per requester through the slow uplink.
+    pass_on_copies: bool = True
     # Before the first step, wait until this many peers (this one included) have records in the run, at most
     # round_timeout seconds (0 = start at once). For organized starts: no peer runs its first rounds alone.
     wait_for_peers: int = 0

@@ -1,19 +1,23 @@
 """Owner-to-non-owner expert transfer over one hivemind P2P handler keyed by expert ID (docs/DESIGN.md, "A round").
 
 Each peer runs one `ExpertExchange`: it serves the experts it published for recent sync rounds and fetches other
-owners' experts, all through a single streaming rpc handler (not one averager per expert). Wire format:
+owners' experts (sync/fetch_client.py), all through a single streaming rpc handler (not one averager per
+expert). Wire format:
 
 - request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")` (or `"m{expert}@0"`: the owner's AdamW moments of the
   expert, for a peer taking it over; docs/DESIGN.md "Coverage"), optionally with `metadata` = MSGPack
-  `{"min_round": m, "bf16": true}` (both optional): if that round is not there, an older copy no older than round
-  `m` may be served instead (an owner one round behind; docs/DESIGN.md, "Bandwidth-aware rounds"); `bf16`: the
-  fetcher stores the copy in bf16, so it gets the tensors rounded to bf16 (half the bytes; moments never);
+  `{"min_round": m, "bf16": true, "via": true}` (all optional): if that round is not there, an older copy no older
+  than round `m` may be served instead (an owner one round behind; docs/DESIGN.md, "Bandwidth-aware rounds");
+  `bf16`: the fetcher stores the copy in bf16, so it gets the tensors rounded to bf16 (half the bytes; moments
+  never); `via`: the fetcher may be sent to a peer that holds the same bf16 copy (sync/copies.py);
 - response stream of `runtime_pb2.ExpertResponse`: first message `metadata` = MSGPack `{"names": [...],
   "round": r}` — r is the round asked for, or the owner's newest if that one is gone and a later one exists;
   older only as `min_round` allows — (or `{"error": "missing" | "bad request" | "internal"}` and the stream
   ends), then the tensors,
   each serialized with hivemind's codecs and cut into parts by `split_for_streaming` (so tensors bigger than
-  a p2p message work), several parts per message.
+  a p2p message work), several parts per message. A bf16 form also carries `"digest"` (32 bytes, sync/copies.py)
+  and, where the owner lets the fetcher pass it on, `"relay": true`; or, instead of the tensors, `"redirect"`:
+  a holder's peer ID, to ask for the same `{expert}@{r}` (the holder serves only complete copies that matched).
 
 Nothing received is unpickled: metadata is MSGPack, tensors go through hivemind's deserializers (or the local
 8-bit decoder in sync/codec.py). Fetched tensors are *not* validated here; callers run `sync.validate.validate_tensors`.
@@ -34,11 +38,13 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
-from sync.codec import COMPRESSION_TYPES, MalformedResponse, deserialize_parts as _deserialize_parts
-from sync.codec import parse_metadata as _parse_metadata, parse_request_metadata as _parse_request_metadata
+from sync.codec import COMPRESSION_TYPES, parse_request_metadata as _parse_request_metadata
 from sync.codec import parse_uid as _parse_uid
 from sync.codec import serialize_tensor as _serialize_tensor
 from sync.codec import MIN_8BIT_NUMEL, extract_quantized, patch_hivemind_8bit_decoder  # noqa: F401 (their old home)
+from sync.copies import HeldCopies, PassOn, digest_serialized
+from sync.fetch_client import ExpertClient, FetchedExpert  # noqa: F401 (FetchedExpert: imported from here)
+from sync.state_download import StateDownloads
 from sync.uplink import PROBE_SECONDS, UplinkSink, measure_upload
 from sync.validate import RejectCounter
 
@@ -48,19 +54,6 @@ logger = get_logger(__name__)
 PARTS_PER_MESSAGE = 16
 # A hostile server could stream forever inside the timeout; cap what one fetch may buffer.
 DEFAULT_MAX_FETCH_BYTES = 16 * 2**30
-
-
-class FetchedExpert(dict):
-    """A fetched expert: name -> tensor, and `round`, the round of the copy the owner served."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], round_id: int) -> None:
-        super().__init__(tensors)
-        self.round = round_id
-
-
-class IncompleteResponse(ConnectionError):
-    """The stream ended before every announced tensor arrived: seen rarely on loopback (~1 in 500 fetches)
-    although the server sent everything, so it is treated as a transport failure and retried, not refused."""
 
 
 class _Entry:
@@ -74,7 +67,9 @@ class _Entry:
         # Serialized forms by "bf16" (False: as published, with the exchange's codec); the jobs making them are
         # touched only on the exchange's loop thread.
         self.serialized: dict[bool, list[runtime_pb2.Tensor]] = {}
+        self.digest = b""  # of the bf16 form, once made (sync/copies.py)
         self.job: dict[bool, asyncio.Future] = {}
+        self.pass_on = PassOn()
 
 
 class _ExpertServicer(ServicerBase):
@@ -93,7 +88,7 @@ class _ExpertServicer(ServicerBase):
             logger.debug(f"Refusing expert request from unadmitted peer {context.remote_id}")
             yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
             return
-        async for message in self.exchange._serve(request.uid, request.metadata):
+        async for message in self.exchange._serve(request.uid, request.metadata, context.remote_id):
             yield message
 
     async def rpc_uplink_probe(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
@@ -105,7 +100,7 @@ class _ExpertServicer(ServicerBase):
         return await self.exchange.uplink_sink.absorb(requests, context.remote_id)
 
 
-class ExpertExchange:
+class ExpertExchange(ExpertClient, StateDownloads):
     """Serves this peer's published experts and fetches other peers' experts through one P2P handler.
 
     namespace: the run_id, so handlers of different runs on one DHT never collide.
@@ -130,6 +125,11 @@ class ExpertExchange:
         # Set by the peer: expert -> its optimizer moments (name -> tensor) if this peer owns it, else None.
         self.moments_provider: Callable[[int], dict[str, torch.Tensor] | None] | None = None
         self.moments_served: set[int] = set()  # experts whose moments went out whole (a leaver's grace, sync/leave)
+        # Set by the peer while its uplink is slow: each bf16 copy goes out once a round, later requesters are sent
+        # to a peer that holds it (sync/copies.py). `held`: the copies this peer may pass on for others.
+        self.pass_copies_on = False
+        self.held = HeldCopies(keep_rounds)
+        self.redirects = {"sent": 0, "followed": 0}  # requesters this peer sent elsewhere / own fetches sent so
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
         self._store: dict[int, dict[int, _Entry]] = {}
@@ -226,6 +226,8 @@ class ExpertExchange:
         serialized = [_serialize_tensor(t.to(torch.bfloat16) if bf16 and t.is_floating_point() else t, codec)
                       for t in tensors]
         entry.serialized[bf16] = serialized
+        if bf16:
+            entry.digest = digest_serialized(entry.names, serialized)
         if set(entry.serialized) >= self._forms(entry):
             entry.tensors = None  # only serialized forms are served from now on: the snapshot is not kept twice
         return serialized
@@ -239,15 +241,17 @@ class ExpertExchange:
                                                                          entry, bf16)
         return await asyncio.shield(entry.job[bf16])
 
-    async def _serve(self, uid: str, metadata: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """The response stream for one request; never raises (a hostile request only ends its own stream)."""
-        def error(kind: str) -> runtime_pb2.ExpertResponse:
-            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": kind}))
+    async def _serve(self, uid: str, metadata: bytes = b"", requester: PeerID | None = None,
+                     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The response stream for one request; never raises (a hostile request only ends its own stream).
+        `requester`: the libp2p-authenticated sender, for passing copies on (sync/copies.py)."""
+        def respond(meta: dict) -> runtime_pb2.ExpertResponse:
+            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta))
 
-        parsed, (well_formed, min_round, bf16) = _parse_uid(uid), _parse_request_metadata(metadata)
+        parsed, (well_formed, min_round, bf16, via) = _parse_uid(uid), _parse_request_metadata(metadata)
         if parsed is None or not well_formed:
             logger.debug(f"Refusing malformed expert request uid {uid[:40]!r}")
-            yield error("bad request")
+            yield respond({"error": "bad request"})
             return
         moments, expert = parsed[0], parsed[1]
         if moments:
@@ -255,219 +259,64 @@ class ExpertExchange:
         else:
             round_id, entry = self._lookup(expert, parsed[2], min_round)
         if entry is None:
-            yield error("missing")
+            # Not ours: maybe a copy this peer received with leave to pass it on (its owner sent the requester here).
+            held = await self.held.find(expert, parsed[2]) if bf16 and not moments else None
+            if held is None:
+                yield respond({"error": "missing"})
+                return
+            yield respond({"names": held.names, "round": held.round, "digest": held.digest})
+            async for message in self._batched(part for group in held.groups for part in group):
+                yield message
             return
         try:
             serialized = await self._serialized(entry, bf16)
         except Exception as e:
             logger.warning(f"Cannot serialize expert {expert}@{round_id}: {e!r}")
-            yield error("internal")
+            yield respond({"error": "internal"})
             return
-        yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": entry.names, "round": round_id}))
-        batch: list[runtime_pb2.Tensor] = []
-        for tensor in serialized:
-            for part in split_for_streaming(tensor):
-                batch.append(part)
-                if len(batch) >= PARTS_PER_MESSAGE:
-                    yield runtime_pb2.ExpertResponse(tensors=batch)
-                    self._count("sent", sum(len(p.buffer) for p in batch))  # counted once actually sent
-                    batch = []
-        if batch:
-            yield runtime_pb2.ExpertResponse(tensors=batch)
-            self._count("sent", sum(len(p.buffer) for p in batch))
+        meta, passing = {"names": entry.names, "round": round_id}, False
+        if bf16 and not moments and True in self._forms(entry):
+            meta["digest"] = entry.digest
+            if self.pass_copies_on and requester is not None:
+                holder = entry.pass_on.target(requester, via)
+                if holder is not None:
+                    self.redirects["sent"] += 1
+                    yield respond({**meta, "redirect": holder.to_bytes()})
+                    return
+                if via:
+                    meta["relay"] = passing = True
+                    entry.pass_on.serving(requester)
+        complete = False
+        try:
+            yield respond(meta)
+            async for message in self._batched(part for tensor in serialized for part in split_for_streaming(tensor)):
+                yield message
+            complete = True
+        finally:
+            if passing and not complete:
+                entry.pass_on.failed(requester)
         if moments:
             self.moments_served.add(expert)
 
-    # ---- fetching ------------------------------------------------------------------------------------------
+    async def _batched(self, parts) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Streamed parts, PARTS_PER_MESSAGE per message; bytes counted once actually sent."""
+        batch: list[runtime_pb2.Tensor] = []
+        for part in parts:
+            batch.append(part)
+            if len(batch) >= PARTS_PER_MESSAGE:
+                yield runtime_pb2.ExpertResponse(tensors=batch)
+                self._count("sent", sum(len(p.buffer) for p in batch))
+                batch = []
+        if batch:
+            yield runtime_pb2.ExpertResponse(tensors=batch)
+            self._count("sent", sum(len(p.buffer) for p in batch))
 
-    def fetch_async(self, peer: PeerID, expert: int, round_id: int, timeout: float,
-                    min_round: int | None = None, bf16: bool = False) -> concurrent.futures.Future:
-        """Start fetching `expert@round_id` from `peer`; the future gives a `FetchedExpert` (name -> tensor, and
-        the round served) or None. `min_round`: the oldest copy acceptable if round_id is not there (default:
-        round_id itself). `bf16`: this peer keeps the copy in bfloat16, so the owner sends it rounded to that
-        (half the bytes of fp32, and the same values this peer would store); an older owner ignores the flag.
-
-        The future never raises; it is cancelled only if the exchange shuts down mid-fetch.
-        """
-        if self._closed:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(None)
-            return done
-        request = {**({"min_round": int(min_round)} if min_round is not None else {}), **({"bf16": True} if bf16 else {})}
-        options = MSGPackSerializer.dumps(request) if request else b""
-        return asyncio.run_coroutine_threadsafe(
-            self._fetch(peer, int(expert), int(round_id), timeout, options,
-                        int(round_id) if min_round is None else int(min_round)), self._loop)
-
-    def fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float,
-              min_round: int | None = None, bf16: bool = False) -> FetchedExpert | None:
-        """Blocking fetch (from any thread but the exchange's own); None if unavailable, late or malformed."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("ExpertExchange.fetch would deadlock on its own loop; use fetch_async")
-        future = self.fetch_async(peer, expert, round_id, timeout, min_round=min_round, bf16=bf16)
-        try:
-            # _fetch bounds itself by `timeout`; the margin covers scheduling on a busy machine.
-            return future.result(timeout=timeout + 5.0)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            future.cancel()
-            return None
+    # ---- measuring -----------------------------------------------------------------------------------------
 
     def measure_upload(self, peers: list[PeerID]) -> float | None:
         """This peer's upload in Mbit/s, by pushing bytes to `peers` at once (sync/uplink.py); None if none answered."""
         calls = [_ExpertServicer.get_stub(self._p2p, p, namespace=self.namespace).rpc_uplink_probe for p in peers]
         return asyncio.run_coroutine_threadsafe(measure_upload(calls), self._loop).result(timeout=PROBE_SECONDS + 15)
-
-    def fetch_moments(self, peer: PeerID, expert: int, timeout: float) -> dict[str, torch.Tensor] | None:
-        """Blocking: `peer`'s optimizer moments of `expert` (name -> tensor, not validated), None if it has none."""
-        if self._closed:
-            return None
-        future = asyncio.run_coroutine_threadsafe(self._fetch(peer, int(expert), 0, timeout, moments=True), self._loop)
-        try:
-            return future.result(timeout=timeout + 5.0)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            future.cancel()
-            return None
-
-    async def _fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float, options: bytes = b"",
-                     min_round: int | None = None, moments: bool = False) -> FetchedExpert | None:
-        uid = f"{'m' if moments else ''}{expert}@{round_id}"
-        what = f"{'moments of ' if moments else ''}expert {expert}@{round_id} from {peer}"
-        min_round = round_id if min_round is None else min_round
-        try:
-            return await asyncio.wait_for(self._fetch_retrying(peer, uid, min_round, options), timeout)
-        except asyncio.TimeoutError:
-            logger.debug(f"Timed out fetching {what} after {timeout:.1f}s")
-        except IncompleteResponse as e:
-            logger.debug(f"Incomplete {what} twice: {e}")
-        except MalformedResponse as e:
-            self.rejects.add("malformed")
-            logger.warning(f"Refused malformed {what}: {e}")
-        except Exception as e:  # unreachable peer, no handler there, broken connection
-            logger.debug(f"Could not fetch {what}: {type(e).__name__}: {e}")
-        return None
-
-    async def _fetch_retrying(self, peer: PeerID, uid: str, min_round: int, options: bytes = b"",
-                              ) -> FetchedExpert | None:
-        try:
-            return await self._fetch_unbounded(peer, uid, min_round, options)
-        except IncompleteResponse as e:
-            logger.debug(f"Retrying {uid} from {peer}: {e}")
-            return await self._fetch_unbounded(peer, uid, min_round, options)
-
-    async def _request(self, peer: PeerID, uid: str, options: bytes = b"",
-                       ) -> tuple[dict, list[list[runtime_pb2.Tensor]]]:
-        """Send one raw request; return (metadata, parts grouped per tensor). Unbounded: callers add a timeout."""
-        stub = _ExpertServicer.get_stub(self._p2p, peer, namespace=self.namespace)
-        stream = await stub.rpc_get_expert(runtime_pb2.ExpertRequest(uid=uid, metadata=options))
-        meta: dict | None = None
-        groups: list[list[runtime_pb2.Tensor]] = []
-        received = 0
-        try:
-            async for message in stream:
-                if meta is None:
-                    meta = _parse_metadata(message.metadata)
-                    if "error" in meta:
-                        return meta, []
-                elif message.metadata:
-                    raise MalformedResponse("metadata after the first message")
-                for part in message.tensors:
-                    received = self._collect(part, groups, received, "expert")
-                if len(groups) == len(meta["names"]) and all(len(g) >= max(g[0].chunks, 1) for g in groups):
-                    # Everything announced arrived: do not wait for the end of the stream (a stream whose server
-                    # took a while before answering was seen to stay open at the daemon after the server
-                    # finished, so the fetch only ended at its timeout).
-                    break
-        finally:
-            with suppress(Exception):
-                await stream.aclose()
-        if meta is None:
-            # Our server always answers with at least one message: a stream with none lost it on the way (seen
-            # once on a loaded 2-core machine, and the round's merge then missed an expert). Retried once like a
-            # cut-off stream; a peer that keeps answering nothing costs one retry within the same timeout.
-            raise IncompleteResponse("empty response stream")
-        return meta, groups
-
-    def _collect(self, part: runtime_pb2.Tensor, groups: list[list[runtime_pb2.Tensor]], received: int,
-                 kind: str) -> int:
-        """Count one streamed part and file it under its tensor; returns the bytes received so far."""
-        received += len(part.buffer)
-        self._count("received", len(part.buffer), kind=kind)
-        if received > self.max_fetch_bytes:
-            raise MalformedResponse(f"response exceeds {self.max_fetch_bytes} bytes")
-        if part.dtype:  # hivemind's streaming marks the first part of each tensor by its dtype
-            groups.append([part])
-        elif groups:
-            groups[-1].append(part)
-        else:
-            raise MalformedResponse("continuation part before any tensor header")
-        return received
-
-    async def _fetch_unbounded(self, peer: PeerID, uid: str, min_round: int, options: bytes = b"",
-                               ) -> FetchedExpert | None:
-        meta, groups = await self._request(peer, uid, options)
-        if "error" in meta:
-            logger.debug(f"Peer {peer} has no expert {uid}: {meta['error'][:40]}")
-            return None
-        if meta["round"] < min_round:
-            raise MalformedResponse(f"asked for round {min_round} or later, got the older round {meta['round']}")
-        if len(groups) > len(meta["names"]):
-            raise MalformedResponse(f"{len(meta['names'])} names but {len(groups)} tensors")
-        if len(groups) < len(meta["names"]):
-            raise IncompleteResponse(f"{len(meta['names'])} names but only {len(groups)} tensors arrived")
-        loop = asyncio.get_running_loop()
-        tensors = await loop.run_in_executor(self._executor, lambda: [_deserialize_parts(g) for g in groups])
-        return FetchedExpert(dict(zip(meta["names"], tensors)), meta["round"])
-
-    # ---- shared state downloads ----------------------------------------------------------------------------
-
-    def download_state(self, peer: PeerID, prefix: str, timeout: float) -> list[torch.Tensor] | None:
-        """The shared tensors a peer's averager (DHT prefix `prefix`) serves to joiners, or None.
-
-        hivemind's own `load_state_from_peers` picks the source by a self-declared priority in the DHT, so a
-        liar with a high priority is asked first; here the caller chooses the source from verified records and
-        this only fetches, through the same bounded, pickle-free decoding as experts (validation is the
-        caller's: sync.shared.SharedAverager.load_state)."""
-        if self._closed or threading.current_thread() is self._thread:
-            return None
-        future = asyncio.run_coroutine_threadsafe(self._download_state(peer, prefix, timeout), self._loop)
-        try:
-            return future.result(timeout=timeout + 5.0)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            future.cancel()
-            return None
-
-    async def _download_state(self, peer: PeerID, prefix: str, timeout: float) -> list[torch.Tensor] | None:
-        from hivemind.averaging import DecentralizedAverager
-        from hivemind.proto import averaging_pb2
-
-        async def download() -> list[torch.Tensor]:
-            stub = DecentralizedAverager.get_stub(self._p2p, peer, namespace=prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            groups: list[list[runtime_pb2.Tensor]] = []
-            received = 0
-            try:
-                async for message in stream:
-                    received = self._collect(message.tensor_part, groups, received, "shared")
-            finally:
-                with suppress(Exception):
-                    await stream.aclose()
-            if groups and len(groups[-1]) < max(groups[-1][0].chunks, 1):
-                # The stream ended inside its last tensor: a dropped or size-limited connection (a relayed one
-                # carries 128 KiB), not a hostile server; the caller tries another source.
-                raise IncompleteResponse(f"state stream ended after {len(groups[-1])} of "
-                                         f"{groups[-1][0].chunks} parts of tensor {len(groups)}")
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, lambda: [_deserialize_parts(g) for g in groups])
-
-        try:
-            tensors = await asyncio.wait_for(download(), timeout)
-            return tensors or None
-        except MalformedResponse as e:
-            self.rejects.add("malformed")
-            logger.warning(f"Refused malformed shared state from {peer}: {e}")
-        except Exception as e:  # unreachable, refused, timed out
-            logger.debug(f"Could not download shared state from {peer}: {type(e).__name__}: {e}")
-        return None
 
     # ---- accounting and lifetime ---------------------------------------------------------------------------
 

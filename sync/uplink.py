@@ -109,7 +109,8 @@ class UplinkMeasuring:
     """SparseSync mixin: measure this peer's upload once other peers are seen (at join, else at a later round's
     start), unless declared (network.upload_mbit) or sync.slow_uplink_mbit is 0; in a daemon thread, so neither
     join nor a round waits for it. Below sync.slow_uplink_mbit, hivemind is told the rate (a small part of each
-    all-reduce to reduce) and the all-reduce parts go 8-bit; at or above it, FAST_UPLINK_MBIT is declared."""
+    all-reduce to reduce), the all-reduce parts go 8-bit and each bf16 expert copy goes out once a round
+    (sync.pass_on_copies, sync/copies.py); at or above it, FAST_UPLINK_MBIT is declared."""
 
     def _init_uplink(self) -> None:
         self.measured_upload: float | None = None
@@ -118,6 +119,7 @@ class UplinkMeasuring:
         self._probing = False
         if self.bandwidth is not None and self.bandwidth < self.cfg.slow_uplink_mbit:
             self.shared.compression.use_eight_bit(True)  # a declared slow uplink: its parts go 8-bit too
+            self.exchange.pass_copies_on = self.cfg.pass_on_copies
 
     def _maybe_measure_uplink(self, others: dict) -> None:
         if self._probes_left <= 0 or self._probing or not others:
@@ -141,10 +143,13 @@ class UplinkMeasuring:
         self.bandwidth = rate if slow else FAST_UPLINK_MBIT
         self.shared.averager.bandwidth = self.bandwidth  # read by each step() in this process
         self.shared.compression.use_eight_bit(slow)
+        self.exchange.pass_copies_on = slow and self.cfg.pass_on_copies
         if slow:
             logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
                         f"sync.slow_uplink_mbit ({self.cfg.slow_uplink_mbit:g}): this peer reduces a matching small "
-                        f"part of each all-reduce and sends its parts 8-bit (set network.upload_mbit to override)")
+                        f"part of each all-reduce, sends its parts 8-bit"
+                        f"{' and each expert copy once a round' if self.exchange.pass_copies_on else ''} "
+                        f"(set network.upload_mbit to override)")
         else:
             logger.info(f"upload measured at {rate:.0f} Mbit/s (probe to {len(targets)} peer(s)): an equal share "
                         f"of each all-reduce (declared as {FAST_UPLINK_MBIT:g})")

@@ -120,12 +120,12 @@ def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monk
     served: list[str] = []
     original = slow.sync.exchange._serve
 
-    async def slow_serve(uid, metadata=b""):
+    async def slow_serve(uid, metadata=b"", requester=None):
         served.append(uid)
         # The first copy crawls through a slow uplink; the second (round 3) takes 1 s: quick, but after its round (which
         # does not wait for this owner any more) is over, even though that round asked before reading records.
         await asyncio.sleep({1: 8.0, 2: 1.0}.get(len(served), 0.0))
-        async for message in original(uid, metadata):
+        async for message in original(uid, metadata, requester):
             yield message
 
     monkeypatch.setattr(slow.sync.exchange, "_serve", slow_serve)

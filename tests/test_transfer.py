@@ -130,7 +130,7 @@ def test_bf16_copies_are_the_fp32_values_rounded_in_half_the_bytes(dhts, make_ex
     got, plain = b.fetch(a.peer_id, 5, 2, timeout=20, bf16=True), b.fetch(a.peer_id, 5, 2, timeout=20)
     assert got is not None and plain is not None  # the codec's form, not bf16
     assert all(got[n].dtype == plain[n].dtype and torch.equal(got[n], plain[n]) for n in expert)
-    for options in ({"bf16": 1}, {"bf16": "yes"}, {"bf16": None}):
+    for options in ({"bf16": 1}, {"bf16": "yes"}, {"bf16": None}, {"bf16": True, "via": 1}):
         raw = MSGPackSerializer.dumps(options)
         meta, _ = asyncio.run_coroutine_threadsafe(b._request(a.peer_id, "5@2", raw), b._loop).result(timeout=10)
         assert meta == {"error": "bad request"}, options
@@ -253,7 +253,7 @@ class _HostileExchange(ExpertExchange):
     script: list[runtime_pb2.ExpertResponse] = []
     stall_s = 0.0
 
-    async def _serve(self, uid, metadata=b""):
+    async def _serve(self, uid, metadata=b"", requester=None):
         for message in self.script:
             yield message
         await asyncio.sleep(self.stall_s)
@@ -281,6 +281,12 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
          runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(
              compression=runtime_pb2.UNIFORM_8BIT, buffer=b"\x05" + b"\0" * 40, size=[4], dtype="float32")])],
+        # Copies passed on (sync/copies.py): a digest that is not 32 bytes, or does not match; leave that is not a
+        # bool; a redirect without a digest, or one this fetcher did not allow (it asked without "via").
+        *[[runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1, **extra})),
+           runtime_pb2.ExpertResponse(tensors=good_part)]
+          for extra in ({"digest": b"\0" * 31}, {"digest": b"\0" * 32}, {"relay": 1}, {"redirect": b"\1" * 34},
+                        {"redirect": b"\1" * 34, "digest": b"\0" * 32})],
         [],  # empty stream: our server always answers something, so nothing arrived: incomplete, not counted
     ]
     for i, script in enumerate(cases):
@@ -309,6 +315,79 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
     assert b.fetch(a.peer_id, 0, 1, timeout=1.0) is None
     assert 1.0 <= time.monotonic() - t0 < 3.0
     assert b.rejects.counts()["malformed"] == malformed  # a slow peer is not a hostile one
+
+
+@pytest.fixture(scope="module")
+def dht_d(dhts):
+    """A fourth DHT peer (an owner and three fetchers)."""
+    dht = hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True)
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+        dht.join(timeout=10)
+
+
+def _fetch_all(fetchers: list[ExpertExchange], owner: ExpertExchange, expert: int, round_id: int) -> list:
+    futures = [f.fetch_async(owner.peer_id, expert, round_id, timeout=30, bf16=True) for f in fetchers]
+    return [future.result(timeout=40) for future in futures]
+
+
+@pytest.mark.parametrize("pass_on", [False, True])
+def test_slow_owner_sends_each_bf16_copy_once(dhts, dht_d, make_exchange, pass_on):
+    """With pass_copies_on (a slow uplink), three requesters asking at once for the same bf16 copy cost the owner
+    one copy's bytes: the others are sent to the first and get exactly the owner's values from it. Off, each
+    requester gets its own copy from the owner."""
+    ns = fresh_namespace()
+    owner = make_exchange(dhts[0], ns)
+    owner.pass_copies_on = pass_on
+    fetchers = [make_exchange(dht, ns) for dht in (dhts[1], dhts[2], dht_d)]
+    expert = make_expert(21)
+    owner.publish(3, 7, expert)
+    results = _fetch_all(fetchers, owner, 7, 3)
+    one_copy = sum(t.numel() * 2 for t in expert.values())  # bf16
+    for got in results:
+        assert got is not None and got.round == 3
+        for name, ref in expert.items():
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], ref.to(torch.bfloat16)), name
+    assert sum(f.rejects.total() for f in fetchers) == 0
+    sent_on = sum(f.bytes_sent["expert"] for f in fetchers)
+    if pass_on:
+        assert owner.bytes_sent["expert"] == one_copy and sent_on == 2 * one_copy
+        assert owner.redirects["sent"] == 2 and sum(f.redirects["followed"] for f in fetchers) == 2
+        assert sum(f.held.count() for f in fetchers) == 1  # only the one the owner served keeps it to pass on
+    else:
+        assert owner.bytes_sent["expert"] == 3 * one_copy and sent_on == 0
+        assert owner.redirects["sent"] == 0 and sum(f.held.count() for f in fetchers) == 0
+    # Full-precision fetches (co-owners) are never sent elsewhere.
+    assert all(torch.equal(f.fetch(owner.peer_id, 7, 3, timeout=20)["layers.0.down_proj"], expert["layers.0.down_proj"])
+               for f in fetchers)
+
+
+def test_copy_passed_on_wrong_is_refused_and_fetched_from_the_owner(dhts, dht_d, make_exchange):
+    """A holder whose copy does not match the owner's digest (altered, or hostile) costs the requester one
+    refusal and a second request to the owner, which then serves it itself and names that holder to nobody."""
+    ns = fresh_namespace()
+    owner = make_exchange(dhts[0], ns)
+    owner.pass_copies_on = True
+    holder, second, third = (make_exchange(dht, ns) for dht in (dhts[1], dhts[2], dht_d))
+    expert = make_expert(22)
+    owner.publish(4, 2, expert)
+    assert holder.fetch(owner.peer_id, 2, 4, timeout=20, bf16=True) is not None and holder.held.count() == 1
+
+    def alter() -> None:  # on the holder's loop, where its held copies live
+        (held,) = holder.held._by_expert[2]
+        part = held.groups[0][0]
+        part.buffer = bytes([part.buffer[0] ^ 1]) + part.buffer[1:]
+
+    holder._loop.call_soon_threadsafe(alter)
+    got = second.fetch(owner.peer_id, 2, 4, timeout=20, bf16=True)
+    assert got is not None and torch.equal(got["layers.1.down_proj"], expert["layers.1.down_proj"])
+    assert second.rejects.counts()["malformed"] == 1 and second.redirects["followed"] == 1
+    assert owner.redirects["sent"] == 1
+    got = third.fetch(owner.peer_id, 2, 4, timeout=20, bf16=True)  # served by the owner: no holder left to name
+    assert got is not None and third.redirects["followed"] == 0 and third.rejects.total() == 0
+    assert owner.redirects["sent"] == 1
 
 
 def test_fetch_async_two_owners(dhts, make_exchange):
