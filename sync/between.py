@@ -42,7 +42,8 @@ class SharedRounds:
         if expected < 2:
             return 1
         self.shared.take_snapshot()
-        size = max(1, self.shared.all_reduce(tokens_since_shared, timeout=self.cfg.round_timeout, expected=expected))
+        size = max(1, self.shared.all_reduce(tokens_since_shared, timeout=self.cfg.round_timeout, expected=expected,
+                                             nobody_left=self._nobody_left))
         refused = self.shared.apply() if size > 1 else 0
         self.shared_rounds += 1
         logger.info(f"shared-only round at step {step}: group {size}, {time.perf_counter() - started:.2f}s"

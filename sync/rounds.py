@@ -286,7 +286,8 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
             if self.cfg.copies_during_allreduce and others_at_start:
                 early = lambda: self._start_fetches(others_at_start, want)  # noqa: E731
             report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout,
-                                                              expected=report.expected, on_grouped=early))
+                                                              expected=report.expected, on_grouped=early,
+                                                              nobody_left=self._nobody_left))
             report.timing.update({k: v for k, v in self.shared.last_timing.items() if k in ("group", "all-reduce")})
             if others_at_start and not self._leaving:
                 # The copies of experts owned elsewhere are asked for now, from the owners the round's start read
@@ -325,7 +326,7 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         replicas = sum(set(r.experts) == set(own) for r in others.values())
         if expert_avg is not None and replicas:
             report.expert_group_size = expert_avg.all_reduce(weight, timeout=self.cfg.round_timeout,
-                                                             expected=replicas + 1)
+                                                             expected=replicas + 1, nobody_left=self._nobody_left)
             if report.expert_group_size > 1:
                 want -= set(own)  # averaged with the replicas already: nothing to fetch for them
         owners = self._start_fetches(others, want)
@@ -428,9 +429,10 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
                     logger.info("stopped looking for an averaging group for this round (leaving, or last step done)")
 
     def _nobody_left(self) -> bool:
-        """While draining: the background reader's fresh views show no other peer that could still join a group
-        (they finished and withdrew their records). The last peer of a run then stops looking after about
-        three polls instead of waiting out the grace (bench.wan: 10 s at the end of a 2-minute run)."""
+        """The background reader's fresh views show no other peer that could still join a group (they finished
+        and withdrew their records). The last peer of a run then stops looking after about three polls instead
+        of waiting out the drain's grace (bench.wan: 10 s at the end of a 2-minute run) or, in a round that
+        looked longer than matchmaking_time, the round's timeout (SharedAverager.all_reduce)."""
         return self.progress.nobody_else(reads=3, max_age=2 * self.progress.poll + 1)
 
     def drain(self, grace: float) -> RoundReport | None:

@@ -342,11 +342,14 @@ class SharedAverager:
             ahead.cancel()
 
     def all_reduce(self, weight: float, timeout: float, expected: int = 0,
-                   on_grouped: Callable[[], None] | None = None) -> int:
+                   on_grouped: Callable[[], None] | None = None, nobody_left: Callable[[], bool] | None = None) -> int:
         """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed. `expected`:
         the peers (this one included) that should join, as the records show them; with sync.target_group_size 0
         a group this peer leads starts once that many joined. `on_grouped` is called (in this thread) once the
-        group has formed and its all-reduce runs."""
+        group has formed and its all-reduce runs. `nobody_left`: asked every half second once the group took longer
+        than matchmaking_time; True (no other peer that could join is left in the run) ends the search at once
+        instead of at `timeout` (hivemind retries matchmaking until then: a peer whose last round came after the
+        others had finished their runs waited 60 s for nobody in bench.wan `mixed`)."""
         control, self.last_timing = None, {}
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.done():  # none prepared, or it failed / was cancelled: look for a group now
@@ -365,7 +368,14 @@ class SharedAverager:
             # Bounded even if the averager process itself dies (its future would never resolve otherwise).
             # Polled, to time how long the group took to form apart from the all-reduce itself (round log line).
             deadline, grouped, received = started + timeout + self.cfg.round_timeout, None, self.wire.received
+            asked = started + self.cfg.matchmaking_time
             while not control.done() and time.perf_counter() < deadline:
+                if grouped is None and nobody_left is not None and time.perf_counter() > asked:
+                    asked = time.perf_counter() + 0.5
+                    if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and nobody_left():
+                        logger.info("no other peer is left in the run to average with: stopped looking for a group")
+                        control.cancel()
+                        return 0
                 if grouped is None and control.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
                     grouped, received = time.perf_counter(), self.wire.received
                     self._group_seconds = grouped - started

@@ -234,3 +234,24 @@ def test_averager_shuts_down_cleanly_while_its_group_waits_for_a_member(swarm_fa
     b.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)
     assert b.sync.finish_round(block=True).group_size <= 2  # averaged alone or with what a sent: it goes on
 
+
+
+def test_a_round_stops_looking_for_a_group_once_nobody_else_is_left(swarm_factory):
+    """A round started while another peer's record was live, which then finished its run and left, stops looking
+    for a group about three record reads after matchmaking_time, not at round_timeout (hivemind retries
+    matchmaking until then: 60 s for nobody at the end of a bench.wan `mixed` run)."""
+    cfg = _sync_cfg(every=10, matchmaking_time=2.0, round_timeout=40.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    _round_all([a, b])
+    deadline = time.monotonic() + 10
+    while b.swarm.peer_id not in a.sync.progress.others() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = time.monotonic()
+    a.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)  # b's record is live: a looks for b
+    time.sleep(0.5)
+    b.sync.progress.stop()
+    b.swarm.finish()  # b completed its run: its record says so, it is no longer a live peer
+    report = a.sync.finish_round(block=True)
+    elapsed = time.monotonic() - started
+    assert report.group_size == 1, report
+    assert elapsed < 2.0 + 4 * a.sync.progress.poll + 4.0, f"looked for a group for {elapsed:.1f}s"
