@@ -1,0 +1,140 @@
+"""What one peer publishes about itself in the run's DHT (docs/DESIGN.md, "DHT records"), parsed defensively,
+and the swarm's round as one liar cannot move it. The records' signed schema is sync/records.py's; the
+swarm that reads and writes them is sync/swarm.py's."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_due
+
+
+@dataclass
+class PeerRecord:
+    """What one peer publishes about itself."""
+
+    peer_id: str
+    experts: list[int]
+    round: int = 0
+    step: int = 0
+    tokens: int = 0
+    ticket: bytes = b""  # closed runs: the organizer's ticket for this peer ID (sync.admission)
+    # A slow uplink: it follows the shared tensors by download and never joins an all-reduce group, so nobody
+    # waits for it in matchmaking (sync.follow_below_mbit, docs/DESIGN.md "Bandwidth-aware rounds").
+    follows: bool = False
+    # The most experts this peer may own (its sync.max_experts_per_peer; 0: not published, any number), and the
+    # owned experts it only takes care of until another peer takes them over (sync.ownership).
+    budget: int = 0
+    caretaking: list[int] = field(default_factory=list)
+    # It completed its fixed-length run and left (Swarm.finish): not a live peer, and its experts are not
+    # adopted by the peers still running (they finish soon too; adopting would only grow their memory).
+    finished: bool = False
+    # A joiner choosing experts (--experts auto), before it owns any: the experts it means to take (Swarm.
+    # choose_auto). Published only while `experts` is empty; readers count it like ownership when it beats them.
+    claims: list[int] = field(default_factory=list)
+    # [machine, PID] of the process that publishes it (process_origin): a restarted peer tells its own crashed
+    # predecessor's record from a live duplicate at once when both ran on the same machine (live_elsewhere).
+    origin: list = field(default_factory=list)
+    # A clean leave's tombstone (experts empty): the experts it owned until then. The peers that saw it own them
+    # adopt them on this one read instead of two (sync.ownership), so a leave is covered within one round.
+    left: list[int] = field(default_factory=list)
+    # [round, DHT time]: when this peer expects to be ready to start that round (sync.schedule: the others keep
+    # training until the last of them is, so a round's group forms at once). Empty: no estimate.
+    due: list = field(default_factory=list)
+
+    def to_value(self) -> dict[str, Any]:
+        value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
+        if self.ticket:
+            value["ticket"] = self.ticket
+        if self.follows:
+            value["follows"] = True
+        if self.budget:
+            value["budget"] = self.budget
+        caretaking = sorted(set(self.caretaking) & set(self.experts))
+        if caretaking:
+            value["caretaking"] = caretaking
+        if self.finished:
+            value["finished"] = True
+        if self.claims and not self.experts:
+            value["claims"] = sorted(self.claims)
+        if self.origin:
+            value["origin"] = list(self.origin)
+        if self.left and not self.experts:
+            value["left"] = sorted(self.left)
+        if self.due:
+            value["due"] = [int(self.due[0]), float(self.due[1])]
+        return value
+
+    def room(self, num_experts: int) -> int:
+        """How many more experts this peer may own."""
+        return (self.budget or num_experts) - len(self.experts)
+
+    def owns_for_good(self, expert: int) -> bool:
+        """It owns `expert` and is not merely taking care of it."""
+        return expert in self.experts and expert not in self.caretaking
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any, num_experts: int) -> "PeerRecord | None":
+        """Parse a DHT value written by another peer; None if it is malformed or out of range."""
+        if not isinstance(value, dict):
+            return None
+        experts, counters = value.get("experts"), [value.get(k, 0) for k in ("round", "step", "tokens")]
+        if not isinstance(experts, list) or len(experts) > num_experts:
+            return None
+        if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < num_experts for e in experts):
+            return None
+        bounds = (MAX_ROUND, MAX_STEP, MAX_TOKENS)
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= b for c, b in zip(counters, bounds)):
+            return None
+        ticket = value.get("ticket", b"")
+        budget, caretaking = value.get("budget", 0), value.get("caretaking", [])
+        if not (type(budget) is int and 0 <= budget <= num_experts) or not isinstance(caretaking, list):
+            return None
+        if not all(type(e) is int and e in experts for e in caretaking):
+            return None
+        claims = value.get("claims", [])
+        if not isinstance(claims, list) or not all(type(e) is int and 0 <= e < num_experts for e in claims):
+            return None
+        origin = value.get("origin", [])
+        if origin and not _is_origin(origin):
+            return None
+        left = value.get("left", [])
+        if not isinstance(left, list) or not all(type(e) is int and 0 <= e < num_experts for e in left) or (
+                left and experts):
+            return None
+        due = value.get("due", [])
+        if due and not is_due(due):
+            return None
+        return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
+                   follows=value.get("follows") is True, budget=budget, caretaking=sorted(set(caretaking)),
+                   finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
+                   left=sorted(set(left)), due=[due[0], float(due[1])] if due else [])
+
+
+def median_round(records: Iterable[PeerRecord]) -> int | None:
+    """The swarm's round as a liar cannot move it: the lower median of the records' rounds (None if none).
+
+    One peer claiming a huge (or tiny) round shifts the median by at most one position among honest values,
+    and with two records the lower median is the smaller one, so a lone liar can never make the honest peer
+    jump ahead. The max, used before, let one record of round 2**62 move every peer (issue 9)."""
+    rounds = sorted(r.round for r in records)
+    return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+
+def process_origin() -> list:
+    """[machine, PID] of this process: the machine is a hash of the boot ID and the PID namespace (PIDs are only
+    comparable within both; two containers on one host differ), so nothing about the host is published."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return []  # not Linux: no fast path, the watch decides
+    return [hashlib.sha256(f"{boot}:{namespace}".encode()).hexdigest()[:16], os.getpid()]
+
+
+def _is_origin(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and len(value[0]) == 16
+            and type(value[1]) is int and 0 < value[1] < 2 ** 32)
