@@ -225,9 +225,9 @@ class ExpertExchange(ExpertClient, StateDownloads):
         # bf16: rounded here exactly as the fetcher would round an fp32 copy into its bf16 frozen storage.
         serialized = [_serialize_tensor(t.to(torch.bfloat16) if bf16 and t.is_floating_point() else t, codec)
                       for t in tensors]
-        entry.serialized[bf16] = serialized
-        if bf16:
+        if bf16:  # before the form is visible: a concurrent request must never see it without its digest
             entry.digest = digest_serialized(entry.names, serialized)
+        entry.serialized[bf16] = serialized
         if set(entry.serialized) >= self._forms(entry):
             entry.tensors = None  # only serialized forms are served from now on: the snapshot is not kept twice
         return serialized
@@ -275,7 +275,7 @@ class ExpertExchange(ExpertClient, StateDownloads):
             yield respond({"error": "internal"})
             return
         meta, passing = {"names": entry.names, "round": round_id}, False
-        if bf16 and not moments and True in self._forms(entry):
+        if bf16 and not moments and True in self._forms(entry) and entry.digest:
             meta["digest"] = entry.digest
             if self.pass_copies_on and requester is not None:
                 holder = entry.pass_on.target(requester, via)

@@ -364,6 +364,28 @@ def test_slow_owner_sends_each_bf16_copy_once(dhts, dht_d, make_exchange, pass_o
                for f in fetchers)
 
 
+def test_a_request_during_serialization_gets_the_digest_too(dhts, make_exchange, monkeypatch):
+    """A bf16 form becomes visible to other requests only with its digest: a request arriving while the first
+    one's serialization was hashing got an empty digest, refused as malformed (seen in bench.wan `mixed`)."""
+    import sync.transfer
+
+    real = sync.transfer.digest_serialized
+
+    def slow_digest(*args):
+        time.sleep(1.0)
+        return real(*args)
+
+    monkeypatch.setattr(sync.transfer, "digest_serialized", slow_digest)
+    ns = fresh_namespace()
+    owner, first, second = (make_exchange(dht, ns) for dht in dhts)
+    owner.publish(1, 4, make_expert(23))
+    early = first.fetch_async(owner.peer_id, 4, 1, timeout=20, bf16=True)
+    time.sleep(0.5)
+    late = second.fetch_async(owner.peer_id, 4, 1, timeout=20, bf16=True)
+    assert early.result(timeout=30) is not None and late.result(timeout=30) is not None
+    assert first.rejects.total() == second.rejects.total() == 0
+
+
 def test_copy_passed_on_wrong_is_refused_and_fetched_from_the_owner(dhts, dht_d, make_exchange):
     """A holder whose copy does not match the owner's digest (altered, or hostile) costs the requester one
     refusal and a second request to the owner, which then serves it itself and names that holder to nobody."""
