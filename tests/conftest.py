@@ -102,10 +102,11 @@ def swarm_factory():
 
     def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True, bandwidth: float | None = None,
              auto: bool = False, run_id: str = "test-run", rejects: RejectCounter | None = None,
-             **sync_options) -> Peer:
+             model_cfg: ModelConfig = MODEL, **sync_options) -> Peer:
         # auto: as --experts auto (the first peer owns `owned` and takes care of the rest, a joiner chooses as many
         # as `owned` holds from the records); rejects: one counter for the DHT's record checks and the rounds, as
-        # peer.node wires it; sync_options: more SparseSync arguments (max_weight, gate, ...).
+        # peer.node wires it; model_cfg: MODEL with other settings (the same number of experts);
+        # sync_options: more SparseSync arguments (max_weight, gate, ...).
         cfg = cfg or sync_cfg()
         # Signed, validated records as in peer.run (sync.records).
         dht = start_dht(first_maddrs, LOOPBACK, run_id=run_id, num_experts=MODEL.num_experts,
@@ -115,7 +116,7 @@ def swarm_factory():
         swarm = Swarm(dht, run_id, MODEL.num_experts, ttl=cfg.record_ttl)
         if auto and join and peers:  # a joiner with --experts auto: chosen from the records, as peer.run does
             owned = swarm.choose_auto(len(owned))
-        model = SpesMoE(MODEL, owned_experts=owned, seed=0)
+        model = SpesMoE(model_cfg, owned_experts=owned, seed=0)
         peer = Peer(model, swarm, SparseSync(model, swarm, cfg, bandwidth=bandwidth, rejects=rejects,
                                              **sync_options))
         peers.append(peer)

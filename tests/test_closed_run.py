@@ -132,10 +132,12 @@ def test_closed_run_as_processes(tmp_path, processes):
             ticket.write_text(encode_signed(sign_ticket(key, "closed", peer_id_from_identity(identity, create=True), 1)))
             procs.append(processes.start(peer_cmd(*common, "--run-dir", str(tmp_path / name), "--identity-path",
                                                   identity, "--organizer-key", public, "--ticket", str(ticket),
-                                                  "--set", "sync.wait_for_peers=2", "--max-steps", "60"),
+                                                  "--set", "sync.wait_for_peers=2", "--max-steps", "150"),
                                          log=tmp_path / f"{name}.log"))
         # The stranger knocks only once a and b train: started with them, it once finished its whole run (no
-        # ticket checks, no wait for peers) before they began, and nobody had a door to refuse it at.
+        # ticket checks, no wait for peers) before they began, and nobody had a door to refuse it at. a and b
+        # train 150 steps (≈ 35 s): with 60 (≈ 13 s on an idle machine) the stranger, 11 s from start to its
+        # first step in a CI simulation, arrived after both had finished and nobody refused it.
         deadline = time.time() + 120
         while not all("training on" in (tmp_path / f"{n}.log").read_text() for n in "ab"):
             assert time.time() < deadline and all(p.poll() is None for p in procs), "a and b did not start training"

@@ -142,3 +142,35 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_to_8bit():
     info = TensorPartContainer(tensors, peer_fractions=(0.5, 0.5), compression=slow, part_size_bytes=2**16)
     part, part_info = info._input_parts_by_peer[0][0]
     assert len(slow.compress(part, part_info).buffer) < len(plain.compress(part, part_info).buffer) / 3
+
+
+def test_a_slow_uplink_sends_its_expert_copies_once_a_round(swarm_factory):
+    """A peer with a slow uplink (declared here; measured ones alike) sends each of its experts' bf16 copies out
+    once in a round of four peers: the first requester gets it, the other two are sent to that holder and get
+    the very same values, checked against the owner's digest (sync/copies.py)."""
+    import torch
+
+    from dataclasses import replace
+
+    from tests.conftest import MODEL, local_training, round_all
+
+    cfg = sync_cfg(slow_uplink_mbit=20.0)
+    bf16 = replace(MODEL, frozen_expert_dtype="bfloat16")  # copies asked for in bf16, as by default in peer.run
+    peers = [swarm_factory([e], cfg, model_cfg=bf16) for e in range(3)]
+    peers.append(swarm_factory([3], cfg, bandwidth=5.0, model_cfg=bf16))
+    slow = peers[3]
+    assert slow.sync.exchange.pass_copies_on and not peers[0].sync.exchange.pass_copies_on
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=60 + i)
+    sent_before = slow.sync.exchange.bytes_sent["expert"]
+    reports = round_all(peers)
+    assert all(r.group_size == 4 and not r.experts_missing for r in reports), reports
+    trained = {n: t.detach().clone() for n, t in slow.model.expert_tensors(3).items()}
+    one_copy = sum(t.numel() * 2 for t in trained.values())  # bf16
+    assert slow.sync.exchange.bytes_sent["expert"] - sent_before == one_copy
+    assert slow.sync.exchange.redirects["sent"] == 2
+    assert sum(p.sync.exchange.redirects["followed"] for p in peers[:3]) == 2
+    for peer in peers[:3]:
+        for name, value in peer.model.expert_tensors(3).items():
+            assert torch.equal(value, trained[name].to(value.dtype)), name
+        assert peer.sync.rejects.total() == 0
