@@ -52,6 +52,10 @@ class SyncConfig:
     # slow as itself (bench.wan `mixed`: 40 s instead of 3 s). 0 (default) = every peer all-reduces; opt in
     # with e.g. 10 (see bench/README.md, bench.wan `mixed_bw`, for what it did and did not fix).
     follow_below_mbit: float = 0.0
+    # A follower sends its own shared change each round (8-bit, rounding error kept for the next one) to one peer
+    # that all-reduces, which folds it into its contribution (sync/carry.py): the follower's tokens count in the
+    # shared average instead of being dropped. False: a follower's shared changes are not averaged in.
+    carry_changes: bool = True
     # An uplink below this many Mbit/s (declared as network.upload_mbit, or else measured once other peers are
     # seen: sync/uplink.py) is told to hivemind, so this peer reduces a matching small part of each all-reduce,
     # and its all-reduce parts travel 8-bit (a quarter of the bytes). A faster measured uplink declares 100

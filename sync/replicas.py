@@ -48,7 +48,7 @@ class Replicas:
     def bytes_sent(self) -> dict[str, int]:
         """Tensor payload bytes (after compression) this peer sent so far, by kind ("shared", "expert")."""
         replicas = self._closed_expert_avg_bytes["sent"] + (self._expert_avg.bytes_sent() if self._expert_avg else 0)
-        return {"shared": self.shared.bytes_sent(), "expert": self.exchange.bytes_sent.get("expert", 0) + replicas}
+        return {"shared": self.shared.bytes_sent() + self.exchange.bytes_sent.get("shared", 0), "expert": self.exchange.bytes_sent.get("expert", 0) + replicas}
 
     def bytes_received(self) -> dict[str, int]:
         """Tensor payload bytes (after compression) this peer received so far, by kind ("shared", "expert")."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import random
 import threading
 import time
 from typing import Callable
@@ -45,6 +44,7 @@ from sync.between import SharedRounds
 from sync.durable import Durable
 from sync.replicas import Replicas
 from sync.fetch import ExpertFetching, Snapshot
+from sync.following import Following
 from sync.leave import LeaveHandoff
 from sync.merge import merge_alpha, merge_due
 from sync.shared import SharedAverager
@@ -84,7 +84,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds, Scheduling, UplinkMeasuring):
+class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds, Scheduling, UplinkMeasuring):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, rejects: RejectCounter | None = None,
@@ -101,16 +101,9 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=cfg.compression,
                                        rejects=self.rejects, gate=gate)
         self.bandwidth = bandwidth
-        # A slow uplink follows the swarm's shared tensors by download instead of joining (and slowing) the
-        # all-reduce groups; its record says so, so that nobody waits for it in matchmaking.
-        self.follower = bandwidth is not None and bandwidth < cfg.follow_below_mbit
-        if self.follower:
-            swarm.record.follows = True
-            logger.info(f"upload {bandwidth:g} Mbit/s is below sync.follow_below_mbit ({cfg.follow_below_mbit:g}): "
-                        f"this peer downloads the swarm's shared tensors each round instead of joining the "
-                        f"all-reduce (its shared changes are not averaged in); its experts are served as usual")
         self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects, max_weight=max_weight, gate=gate,
                                      bandwidth=bandwidth)
+        self._init_following(bandwidth)
         self._init_uplink()
         # Last synchronized value of each owned expert (what its own change in a round is measured from), rounds
         # since each expert was last synchronized, and owners that let a fetch time out (short timeouts after).
@@ -254,16 +247,21 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         # the exchange for this round directly and owners serve it from now on.
         record = dict(experts=sorted(own), round=self.round_id, step=step, tokens=tokens)
         _run_in_daemon_thread(lambda: self.swarm.publish(**record))
-        future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last,
-                                       bool(others) and not behind, expert_avg, rel_change,
-                                       {} if replicated else others)
+        average = bool(others) and not behind
+        # Followers' shared changes this peer carries into its all-reduce (sync/following.py): folded into the
+        # snapshot the averager holds, before the network thread can release it.
+        shared_weight = self._fold_carried(tokens_since_last) if average else tokens_since_last
+        future = _run_in_daemon_thread(self._network_part, report, own, tokens_since_last, average, expert_avg,
+                                       rel_change, {} if replicated else others, shared_weight)
         self._pending = _Pending(report, started, own, future, behind, step, tokens_since_last)
         return previous
 
     def _network_part(self, report: RoundReport, own: dict[int, Snapshot], weight: int, average: bool,
                       expert_avg: SharedAverager | None,
                       rel_change: float | None = None, others_at_start: dict[str, PeerRecord] | None = None,
-                      ) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+                      shared_weight: float | None = None) -> tuple[dict[str, PeerRecord], dict[int, Snapshot]]:
+        """The round's transfers (its own thread). `weight`: tokens this peer trained since its last round;
+        `shared_weight`: the shared all-reduce's weight (with carried changes folded in; default `weight`)."""
         want = set(range(self.model.cfg.num_experts))
         rejected_before = self.rejects.total()
         if not average or self.follower:
@@ -274,18 +272,13 @@ class SparseSync(ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, Shar
         # own all-reduce upload that its whole group waits for. sync.copies_during_allreduce asks for them once the
         # group formed instead (docs/DESIGN.md, "Bandwidth-aware rounds": 0.06 lower ratio on equal links).
         if average and self.follower:
-            started = time.perf_counter()
-            sources = [p for p, r in (others_at_start or {}).items() if not r.follows]
-            random.shuffle(sources)
-            # One source: three copies through a slow downlink would triple the round; a liar's copy is still
-            # bounded by the state checks, and the next round's source is another random peer.
-            report.followed = self._download_shared(sources, want=1) or None
-            report.timing["download"] = time.perf_counter() - started
+            self._follow_round(report, others_at_start, weight)
         elif average:
             early = None
             if self.cfg.copies_during_allreduce and others_at_start:
                 early = lambda: self._start_fetches(others_at_start, want)  # noqa: E731
-            report.group_size = max(1, self.shared.all_reduce(weight, timeout=self.cfg.round_timeout,
+            shared_weight = weight if shared_weight is None else shared_weight
+            report.group_size = max(1, self.shared.all_reduce(shared_weight, timeout=self.cfg.round_timeout,
                                                               expected=report.expected, on_grouped=early,
                                                               nobody_left=self._nobody_left))
             report.timing.update({k: v for k, v in self.shared.last_timing.items() if k in ("group", "all-reduce")})

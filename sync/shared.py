@@ -25,6 +25,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from model.model import SpesMoE
+from sync.carry import CarriedChange, fold_changes
 from sync.delta import apply_rebased_, rebased
 from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wire_counting
 from sync.config import SyncConfig
@@ -209,6 +210,27 @@ class SharedAverager:
         with self.averager.get_tensors() as tensors:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
+
+    def fold_carried(self, changes: list[CarriedChange], weight: float) -> float:
+        """(Round start, after take_snapshot) fold followers' shared changes into what this peer contributes
+        (sync/carry.py); its own snapshot, against which the result is applied, stays as it was. Returns the
+        contribution's weight (this peer's tokens plus the kept changes')."""
+        if not changes:
+            return weight
+        short = self.max_weight / max(weight, 1.0) if math.isfinite(self.max_weight) else 1.0
+        contribution, total, refused = fold_changes(self.snapshot, self.synced, weight, changes,
+                                                    self.cfg.max_delta_ratio * max(1.0, short))
+        for sender in refused:
+            self._reject("delta")
+            logger.warning(f"refused the carried shared change of follower {sender[-6:]}: out of proportion to "
+                           f"this peer's own change")
+        if contribution is not None:
+            with self.averager.get_tensors() as tensors:
+                for tensor, value in zip(tensors, contribution):
+                    tensor.copy_(value)
+            logger.info(f"carrying {len(changes) - len(refused)} follower change(s) into this round's all-reduce "
+                        f"(weight {weight:g} + {total - weight:g} tokens)")
+        return total
 
     def prepare(self, expected: int, start: float, timeout: float) -> bool:
         """Look for the next all-reduce's group now, before its round starts at DHT time `start` (sync.schedule,

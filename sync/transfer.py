@@ -42,6 +42,7 @@ from sync.codec import COMPRESSION_TYPES, parse_request_metadata as _parse_reque
 from sync.codec import parse_uid as _parse_uid
 from sync.codec import serialize_tensor as _serialize_tensor
 from sync.codec import MIN_8BIT_NUMEL, extract_quantized, patch_hivemind_8bit_decoder  # noqa: F401 (their old home)
+from sync.carry import CarryInbox, send_change
 from sync.copies import HeldCopies, PassOn, digest_serialized
 from sync.fetch_client import ExpertClient, FetchedExpert  # noqa: F401 (FetchedExpert: imported from here)
 from sync.state_download import StateDownloads
@@ -73,7 +74,8 @@ class _Entry:
 
 
 class _ExpertServicer(ServicerBase):
-    """The rpc handlers: `{namespace}::_ExpertServicer.rpc_get_expert`, and `.rpc_uplink_probe` (sync/uplink.py)."""
+    """The rpc handlers: `{namespace}::_ExpertServicer.rpc_get_expert`, `.rpc_uplink_probe` (sync/uplink.py) and
+    `.rpc_carry_shared` (a follower's shared change, sync/carry.py)."""
 
     def __init__(self, exchange: "ExpertExchange") -> None:
         self.exchange = exchange
@@ -98,6 +100,16 @@ class _ExpertServicer(ServicerBase):
         if gate is not None and not await gate.admits(context.remote_id):
             return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
         return await self.exchange.uplink_sink.absorb(requests, context.remote_id)
+
+    async def rpc_carry_shared(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
+                               ) -> runtime_pb2.ExpertResponse:
+        """A follower's shared change for this peer's next all-reduce (sync/carry.py), within the inbox's limits."""
+        gate = self.exchange.gate
+        if gate is not None and not await gate.admits(context.remote_id):
+            self.exchange.rejects.add("unauthorized")
+            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
+        return await self.exchange.carried.absorb(requests, context.remote_id,
+                                                  lambda n: self.exchange._count("received", n, kind="shared"))
 
 
 class ExpertExchange(ExpertClient, StateDownloads):
@@ -133,9 +145,10 @@ class ExpertExchange(ExpertClient, StateDownloads):
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
         self._store: dict[int, dict[int, _Entry]] = {}
-        self._bytes = {"sent": {"expert": 0}, "received": {"expert": 0, "shared": 0}}
+        self._bytes = {"sent": {"expert": 0, "shared": 0}, "received": {"expert": 0, "shared": 0}}
         self._servicer = _ExpertServicer(self)
         self.uplink_sink = UplinkSink()
+        self.carried = CarryInbox(self.rejects)  # followers' shared changes for this peer's next all-reduce (sync/carry.py)
         self._p2p: P2P | None = None
         self._closed = False
         # Codec work runs here, off the event loop, so one big tensor does not stall other transfers.
@@ -317,6 +330,29 @@ class ExpertExchange(ExpertClient, StateDownloads):
         """This peer's upload in Mbit/s, by pushing bytes to `peers` at once (sync/uplink.py); None if none answered."""
         calls = [_ExpertServicer.get_stub(self._p2p, p, namespace=self.namespace).rpc_uplink_probe for p in peers]
         return asyncio.run_coroutine_threadsafe(measure_upload(calls), self._loop).result(timeout=PROBE_SECONDS + 15)
+
+    def carry_async(self, peer: PeerID, round_id: int, weight: float, serialized: list[runtime_pb2.Tensor],
+                    timeout: float) -> concurrent.futures.Future:
+        """Send a follower's shared change to `peer` (sync/carry.py); the future gives None once it took it,
+        else its reason or the transport's error (a carrier that refuses answers at once and stops reading, which
+        the sender may see as a reset stream). Bytes count as sent once handed to the stream."""
+        call = _ExpertServicer.get_stub(self._p2p, peer, namespace=self.namespace).rpc_carry_shared
+
+        async def counted(messages):
+            async def counting():
+                async for message in messages:
+                    yield message
+                    self._count("sent", sum(len(p.buffer) for p in message.tensors), kind="shared")
+            return await call(counting())
+
+        async def send() -> str | None:
+            try:
+                return await asyncio.wait_for(send_change(counted, round_id, weight, serialized), timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a carrier that refused early resets the stream still being written; gone; ...
+                return f"{type(e).__name__}: {str(e)[:60]}"
+        return asyncio.run_coroutine_threadsafe(send(), self._loop)
 
     # ---- accounting and lifetime ---------------------------------------------------------------------------
 

@@ -144,7 +144,9 @@ class UplinkMeasuring:
         self.shared.averager.bandwidth = self.bandwidth  # read by each step() in this process
         self.shared.compression.use_eight_bit(slow)
         self.exchange.pass_copies_on = slow and self.cfg.pass_on_copies
-        if slow:
+        if rate < self.cfg.follow_below_mbit and not self.follower:
+            self._become_follower(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s))")
+        elif slow:
             logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
                         f"sync.slow_uplink_mbit ({self.cfg.slow_uplink_mbit:g}): this peer reduces a matching small "
                         f"part of each all-reduce, sends its parts 8-bit"

@@ -1,0 +1,274 @@
+"""A follower's shared changes, carried into the all-reduce by a peer that joins it (docs/DESIGN.md, "Carried
+changes").
+
+A follower (sync.follow_below_mbit: an uplink too slow to join all-reduce groups without making each of them as
+slow as itself) downloads the swarm's shared tensors every round instead of all-reducing them. Without more, its
+own shared changes were dropped: the tokens it trained counted for its experts only. Here it sends its change
+since the shared tensors it last took (`delta = snapshot - synced`, plus whatever it could not send before) to
+one peer that joins the groups, the *carrier*, 8-bit (a quarter of the fp32 bytes; the rounding error stays with
+the follower and goes out with its next change, so none is lost). The carrier folds every change it holds into
+its next round's contribution, as if the follower had been in its group:
+
+    contribution = synced_C + (w_C * d_C + sum_F w_F * d_F) / (w_C + sum_F w_F),  weight w_C + sum_F w_F
+
+where d_C = snapshot_C - synced_C is its own change. The reducers cap that weight at one round's tokens as any
+other (a carrier and its followers share one peer's cap: never more weight than a liar could claim).
+
+Wire: a client stream on the expert exchange's handler (`rpc_carry_shared`): the first message's `metadata` is
+MSGPack `{"round": r, "weight": w}`, then the tensors in the order of the model's shared parameters, each
+serialized with hivemind's codecs and cut by `split_for_streaming`; the answer is `{"ok": true}` or
+`{"error": ...}`. A carrier takes changes only from peers whose signed record says they follow, at most
+`MAX_CONCURRENT` at once and `MAX_SENDERS` held, each of exactly the shared tensors' shapes and finite, and
+checks each change's size against its own at fold time (sync/shared.py `fold_carried`). Nothing is unpickled.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.logging import get_logger
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+
+from sync.codec import MalformedResponse, deserialize_parts, serialize_tensor
+from sync.validate import RejectCounter
+
+logger = get_logger(__name__)
+
+MAX_CONCURRENT = 2  # changes being received at once (each up to one fp32 copy of the shared tensors)
+MAX_SENDERS = 4  # followers whose newest change a carrier holds until its next round
+MAX_AGE_ROUNDS = 2  # a change labelled more than this many rounds before the carrier's round is dropped
+PARTS_PER_MESSAGE = 16
+_EIGHT_BIT = runtime_pb2.CompressionType.UNIFORM_8BIT
+
+
+@dataclass
+class CarriedChange:
+    sender: str  # base58 peer ID
+    round_id: int
+    weight: float
+    tensors: list[torch.Tensor]
+
+
+def encode_change(delta: list[torch.Tensor]) -> tuple[list[runtime_pb2.Tensor], list[torch.Tensor]]:
+    """8-bit serialized change (16-bit for tensors too small for a codebook) and what the rounding left out,
+    which the follower adds to its next change (error feedback: nothing it trained is lost, only delayed)."""
+    serialized = [serialize_tensor(d.float(), _EIGHT_BIT) for d in delta]
+    residual = [d.float() - deserialize_parts(list(split_for_streaming(s))).float() for d, s in zip(delta, serialized)]
+    return serialized, residual
+
+
+async def send_change(call: Callable[[AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable],
+                      round_id: int, weight: float, serialized: list[runtime_pb2.Tensor]) -> str | None:
+    """Stream one change to a carrier; None once it took it, else its reason (or the transport's)."""
+    async def messages() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        yield runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps({"round": round_id, "weight": weight}))
+        batch: list[runtime_pb2.Tensor] = []
+        for tensor in serialized:
+            for part in split_for_streaming(tensor):
+                batch.append(part)
+                if len(batch) >= PARTS_PER_MESSAGE:
+                    yield runtime_pb2.ExpertRequest(tensors=batch)
+                    batch = []
+        if batch:
+            yield runtime_pb2.ExpertRequest(tensors=batch)
+
+    response = await call(messages())
+    try:
+        answer = MSGPackSerializer.loads(response.metadata)
+    except Exception:
+        return "malformed answer"
+    if isinstance(answer, dict) and answer.get("ok") is True:
+        return None
+    return str(answer.get("error", "refused"))[:80] if isinstance(answer, dict) else "malformed answer"
+
+
+class CarryInbox:
+    """Carrier side: the followers' newest changes until this peer's next round takes them.
+
+    `shapes`: the shared tensors' shapes (set by the peer); `follows(peer_id)`: whether the sender's signed record
+    says it follows (set by the peer; a peer that all-reduces itself must not be counted twice); `max_weight`:
+    the most tokens one round can hold (a claim above it counts as that)."""
+
+    def __init__(self, rejects: RejectCounter) -> None:
+        self.rejects = rejects  # a malformed change counts as "malformed"
+        self.shapes: list[tuple[int, ...]] | None = None
+        self.follows: Callable[[str], bool] = lambda peer_id: False
+        self.max_weight = math.inf
+        self.received = 0  # changes taken in, for the log and tests
+        self._held: dict[str, CarriedChange] = {}
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _max_bytes(self) -> int:
+        # fp32 of every tensor plus its serialization header: the most an honest change can take (8-bit or not).
+        return sum(4 * math.prod(s) + 4096 for s in self.shapes or [])
+
+    async def absorb(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], sender: PeerID,
+                     count: Callable[[int], None]) -> runtime_pb2.ExpertResponse:
+        """One follower's change (the rpc handler's body); never raises. `count(n)`: bytes received."""
+        def answer(**meta) -> runtime_pb2.ExpertResponse:
+            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta))
+
+        peer_id = sender.to_base58()
+        shapes = self.shapes
+        if shapes is None or not self.follows(peer_id):
+            return answer(error="not a follower" if shapes is not None else "not ready")
+        if len(self._active) >= MAX_CONCURRENT or peer_id in self._active:
+            return answer(error="busy")
+        self._active.add(peer_id)
+        try:
+            change = await self._receive(requests, peer_id, shapes, count)
+        except MalformedResponse as e:
+            logger.debug(f"refused a carried change from {peer_id}: {e}")
+            self.rejects.add("malformed")
+            return answer(error="malformed")
+        finally:
+            self._active.discard(peer_id)
+        with self._lock:
+            if peer_id not in self._held and len(self._held) >= MAX_SENDERS:
+                return answer(error="busy")
+            self._held[peer_id] = change  # the newest change of a sender replaces its older one
+            self.received += 1
+        return answer(ok=True)
+
+    async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], peer_id: str,
+                       shapes: list[tuple[int, ...]], count: Callable[[int], None]) -> CarriedChange:
+        meta, groups, received, limit = None, [], 0, self._max_bytes()
+        async for message in requests:
+            if meta is None:
+                meta = _parse_meta(message.metadata)
+            elif message.metadata:
+                raise MalformedResponse("metadata after the first message")
+            for part in message.tensors:
+                received += len(part.buffer)
+                count(len(part.buffer))
+                if received > limit:
+                    raise MalformedResponse(f"change exceeds {limit} bytes")
+                if part.dtype:  # hivemind's streaming marks the first part of each tensor by its dtype
+                    if len(groups) >= len(shapes):
+                        raise MalformedResponse("more tensors than shared parameters")
+                    groups.append([part])
+                elif groups:
+                    groups[-1].append(part)
+                else:
+                    raise MalformedResponse("continuation part before any tensor header")
+        if meta is None or len(groups) != len(shapes):
+            raise MalformedResponse(f"{len(groups)} tensors, expected {len(shapes)}")
+        tensors = await asyncio.get_running_loop().run_in_executor(None, _decode, groups, shapes)
+        return CarriedChange(peer_id, meta["round"], min(meta["weight"], self.max_weight), tensors)
+
+    def take(self, round_id: int) -> list[CarriedChange]:
+        """(Round start) every change held, once; those older than MAX_AGE_ROUNDS before `round_id` are dropped."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        return [c for c in held if c.round_id >= round_id - MAX_AGE_ROUNDS and c.weight > 0]
+
+
+def _parse_meta(raw: bytes) -> dict:
+    try:
+        meta = MSGPackSerializer.loads(raw) if 0 < len(raw) <= 256 else None
+    except Exception:
+        meta = None
+    if not isinstance(meta, dict):
+        raise MalformedResponse("bad change metadata")
+    round_id, weight = meta.get("round"), meta.get("weight")
+    if (not isinstance(round_id, int) or isinstance(round_id, bool) or not 0 <= round_id < 2**40
+            or not isinstance(weight, (int, float)) or isinstance(weight, bool)
+            or not math.isfinite(weight) or weight < 0):
+        raise MalformedResponse("bad change round or weight")
+    return {"round": round_id, "weight": float(weight)}
+
+
+def _decode(groups: list[list[runtime_pb2.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    tensors = []
+    for group, shape in zip(groups, shapes):
+        tensor = deserialize_parts(group).float()
+        if tuple(tensor.shape) != tuple(shape):
+            raise MalformedResponse(f"tensor of shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise MalformedResponse("non-finite values")
+        tensors.append(tensor)
+    return tensors
+
+
+@torch.no_grad()
+def fold_changes(snapshot: list[torch.Tensor], synced: list[torch.Tensor], weight: float,
+                 changes: list[CarriedChange], max_ratio: float) -> tuple[list[torch.Tensor] | None, float, list[str]]:
+    """The carrier's contribution with the followers' changes folded in (the module docstring's formula), its
+    weight, and the senders whose change was refused: one whose change of some tensor exceeds `max_ratio` times
+    the carrier's own change of it (floored by the carrier's overall relative change, as an all-reduce result is
+    judged in sync/shared.py `check_result`), so a hostile follower moves the carrier's contribution no further
+    than an honest peer's change could. (None, weight, refused) when no change is kept."""
+    own = [s - r for s, r in zip(snapshot, synced)]
+    own_norms = [float(torch.linalg.vector_norm(o)) for o in own]
+    ref_norms = [float(torch.linalg.vector_norm(r)) for r in synced]
+    rel = math.sqrt(sum(o * o for o in own_norms)) / max(math.sqrt(sum(r * r for r in ref_norms)), 1e-12)
+    kept, refused = [], []
+    for change in changes:
+        if any(float(torch.linalg.vector_norm(d)) > max_ratio * max(o, rel * r, 1e-8)
+               for d, o, r in zip(change.tensors, own_norms, ref_norms)):
+            refused.append(change.sender)
+        else:
+            kept.append(change)
+    if not kept:
+        return None, weight, refused
+    total = weight + sum(c.weight for c in kept)
+    contribution = [s.clone() for s in snapshot]
+    for change in kept:
+        share = change.weight / total
+        for out, d, o in zip(contribution, change.tensors, own):
+            out.add_(d - o, alpha=share)
+    return contribution, total, refused
+
+
+class ChangeSender:
+    """Follower side: each round's change goes to one carrier in the background. What a send does not carry (the
+    8-bit rounding, a round skipped while the previous send was still on its way on a slow uplink, a send that
+    failed) stays here with its tokens and goes with the next send: nothing the follower trained is dropped."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self._residual: list[torch.Tensor] | None = None
+        self._weight = 0.0
+        self._inflight = None  # concurrent.futures.Future of the running send
+        self._lock = threading.Lock()
+
+    def busy(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def take(self, delta: list[torch.Tensor], weight: float) -> tuple[list[torch.Tensor], float]:
+        """This round's change and tokens plus what earlier sends left behind (now owned by the caller)."""
+        with self._lock:
+            residual, self._residual = self._residual, None
+            held, self._weight = self._weight, 0.0
+        total = [d.float().clone() for d in delta] if residual is None else [d.float() + r for d, r in
+                                                                            zip(delta, residual)]
+        return total, weight + held
+
+    def keep(self, change: list[torch.Tensor], weight: float = 0.0) -> None:
+        """Not sent (or not all of it): it waits for the next send."""
+        with self._lock:
+            self._residual = change if self._residual is None else [a + b for a, b in zip(self._residual, change)]
+            self._weight += weight
+
+    def started(self, future, sent: list[torch.Tensor], weight: float) -> None:
+        """`future` (-> None or the carrier's reason) carries `sent` (the decoded 8-bit change) and `weight`."""
+        self._inflight, started_at = future, time.monotonic()
+
+        def done(f) -> None:
+            error = "failed" if f.cancelled() or f.exception() is not None else f.result()
+            if error is None:
+                self.sent += 1
+                logger.debug(f"carried change delivered in {time.monotonic() - started_at:.1f}s")
+            else:
+                logger.info(f"a carrier did not take this peer's shared change ({error}): it goes with the next one")
+                self.keep(sent, weight)
+        future.add_done_callback(done)

@@ -1,0 +1,88 @@
+"""Followers and their carriers, the SparseSync side (docs/DESIGN.md, "Slow uplinks follow", "Carried changes").
+
+A peer whose uplink is below `sync.follow_below_mbit` (declared as `network.upload_mbit`, or measured:
+sync/uplink.py) never joins an all-reduce group: each round it downloads the swarm's shared tensors from one
+peer that does, and sends its own shared change to one such peer (its carrier, sync/carry.py), who folds it into
+its next round's contribution. Every other peer is a possible carrier: it holds the changes followers send it and
+folds them in at its next round's start.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.logging import get_logger
+
+from sync.carry import ChangeSender, encode_change
+from sync.report import RoundReport
+from sync.swarm import PeerRecord
+
+logger = get_logger(__name__)
+
+
+class Following:
+    """SparseSync mixin: become a follower, a follower's round (download + carried change), a carrier's fold."""
+
+    def _init_following(self, bandwidth: float | None) -> None:
+        self.follower = False
+        self._change_sender = ChangeSender()
+        inbox = self.exchange.carried
+        inbox.shapes = [tuple(p.shape) for p in self.shared.params]
+        inbox.max_weight = self.max_weight
+        inbox.follows = self._sender_follows
+        if bandwidth is not None and bandwidth < self.cfg.follow_below_mbit:
+            self._become_follower(f"upload {bandwidth:g} Mbit/s")
+
+    def _become_follower(self, why: str) -> None:
+        # Its record says so (from its next store on), so that nobody waits for it in matchmaking.
+        self.follower = True
+        self.swarm.record.follows = True
+        self.shared.cancel_ahead()
+        logger.info(f"{why} is below sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}): this peer downloads "
+                    f"the swarm's shared tensors each round instead of joining the all-reduce, and "
+                    f"{'sends its shared changes to a peer that carries them in' if self.cfg.carry_changes else 'its shared changes are not averaged in'}; "
+                    f"its experts are served as usual")
+
+    def _sender_follows(self, peer_id: str) -> bool:
+        """(Exchange loop) A change is taken only from a peer whose signed record says it follows: one that
+        all-reduces itself would otherwise count twice."""
+        if not self.cfg.carry_changes or self.follower:
+            return False
+        record = self.progress.others().get(peer_id)  # the background reader's view: no DHT read on this loop
+        return record is not None and record.follows
+
+    def _fold_carried(self, tokens: int) -> float:
+        """(Round start, after the snapshot) this round's shared all-reduce weight, with the changes that
+        followers sent since the last round folded into the contribution."""
+        if self.follower or not self.cfg.carry_changes:
+            return tokens
+        return self.shared.fold_carried(self.exchange.carried.take(self.round_id), tokens)
+
+    def _follow_round(self, report: RoundReport, others_at_start: dict[str, PeerRecord], tokens: int) -> None:
+        """A follower's network part: its shared change goes to one carrier (in the background: a slow uplink
+        must not hold the round) and the swarm's shared tensors come from one peer that all-reduces."""
+        started = time.perf_counter()
+        sources = [p for p, r in (others_at_start or {}).items() if not r.follows]
+        random.shuffle(sources)
+        if self.cfg.carry_changes:
+            self._send_change(sources[-1:], tokens)
+        # One source: three copies through a slow downlink would triple the round; a liar's copy is still bounded
+        # by the state checks, and the next round's source is another random peer.
+        report.followed = self._download_shared(sources, want=1) or None
+        report.timing["download"] = time.perf_counter() - started
+
+    def _send_change(self, carriers: list[str], tokens: int) -> None:
+        with torch.no_grad():
+            delta = [s - r for s, r in zip(self.shared.snapshot, self.shared.synced)]
+        total, weight = self._change_sender.take(delta, float(tokens))
+        if not carriers or self._change_sender.busy():
+            self._change_sender.keep(total, weight)  # the previous one is still on its way: this goes with the next
+            return
+        serialized, leftover = encode_change(total)
+        self._change_sender.keep(leftover)
+        sent = [t - r for t, r in zip(total, leftover)]
+        future = self.exchange.carry_async(PeerID.from_base58(carriers[0]), self.round_id, weight, serialized,
+                                           timeout=self.cfg.round_timeout)
+        self._change_sender.started(future, sent, weight)

@@ -1,0 +1,141 @@
+"""A follower's shared changes carried into the all-reduce by a peer that joins it (sync/carry.py,
+sync/following.py; docs/DESIGN.md "Carried changes"): real DHTs, averagers and expert exchanges on loopback."""
+from __future__ import annotations
+
+import time
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.streaming import split_for_streaming
+
+from sync.carry import ChangeSender, encode_change
+from sync.codec import deserialize_parts, serialize_tensor
+from tests.conftest import Peer, local_training, shared_params, sync_cfg
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _swarm_with_follower(swarm_factory) -> tuple[Peer, Peer, Peer]:
+    cfg = sync_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2], cfg)
+    home = swarm_factory([3], cfg, bandwidth=5.0)
+    assert home.sync.follower
+    # The carriers take a change only from a peer their (background) record reader shows as a follower.
+    for peer in (a, b):
+        _wait(lambda: getattr(peer.sync.progress.others().get(home.swarm.peer_id), "follows", False), 15,
+              "the follower's record never reached the reader")
+    return a, b, home
+
+
+def _round(peers: list[Peer], tokens: int = 100) -> list:
+    for peer in peers:
+        peer.sync.start_round(step=1, tokens=tokens, tokens_since_last=tokens)
+    return [peer.sync.finish_round(block=True) for peer in peers]
+
+
+def _change_arrived(home: Peer, carriers: tuple[Peer, ...]) -> Peer:
+    """Wait for the follower's send; the carrier that took it."""
+    sender = home.sync._change_sender
+    _wait(lambda: not sender.busy(), 20, "the change is still on its way")
+    assert sender.sent == 1, "the carrier did not take the change"
+    took = [p for p in carriers if p.sync.exchange.carried.received == 1]
+    assert len(took) == 1, [p.sync.exchange.carried.received for p in carriers]
+    return took[0]
+
+
+def test_a_followers_change_is_averaged_in_through_its_carrier(swarm_factory):
+    """The follower's shared change of round 1 enters round 2's average with its tokens as weight, as if it had
+    been in the group (up to 8-bit rounding), while nobody waits for it."""
+    a, b, home = _swarm_with_follower(swarm_factory)
+    start = shared_params(home)
+    for i, peer in enumerate((a, b, home)):
+        local_training(peer, seed=40 + i)
+    home_change = {k: v - start[k] for k, v in shared_params(home).items()}
+    assert [r.group_size for r in _round([a, b])] == [2, 2]  # the public peers' round: nobody waits for home
+    _round([home])
+    carrier = _change_arrived(home, (a, b))
+    other = b if carrier is a else a
+    base = shared_params(carrier)  # round 1's average (no training since): the carrier's last synced value
+    for i, peer in enumerate((a, b)):
+        local_training(peer, seed=50 + i)
+    snap_c, snap_o = shared_params(carrier), shared_params(other)
+    reports = _round([a, b])
+    assert [r.group_size for r in reports] == [2, 2] and not any(r.rejected for r in reports), reports
+    result = shared_params(a)
+    for name, value in result.items():
+        with_home = (snap_c[name] + snap_o[name] + base[name] + home_change[name]) / 3
+        without = (snap_c[name] + snap_o[name]) / 2
+        error = float(torch.linalg.vector_norm(value - with_home))
+        scale = float(torch.linalg.vector_norm(home_change[name])) / 3
+        assert error < 0.05 * scale, (name, error, scale)  # 8-bit rounding of the change, nothing more
+        assert float(torch.linalg.vector_norm(value - without)) > 0.2 * scale, name
+    assert carrier.sync.exchange.carried.take(carrier.sync.round_id) == []  # folded once, not again
+
+
+def test_an_out_of_proportion_change_is_refused_and_the_round_goes_on(swarm_factory):
+    """A follower's change 1000x an honest one is refused by its carrier (counted as `delta`): the round's average
+    is the public peers' own."""
+    a, b, home = _swarm_with_follower(swarm_factory)
+    with torch.no_grad():
+        for _, p in home.model.shared_parameters():
+            p.add_(torch.randn_like(p) * 10.0)
+    _round([a, b])
+    _round([home])
+    carrier = _change_arrived(home, (a, b))
+    for i, peer in enumerate((a, b)):
+        local_training(peer, seed=60 + i)
+    snaps = [shared_params(p) for p in (a, b)]
+    before = carrier.sync.rejects.counts().get("delta", 0)
+    assert [r.group_size for r in _round([a, b])] == [2, 2]
+    assert carrier.sync.rejects.counts().get("delta", 0) == before + 1
+    for name, value in shared_params(a).items():
+        assert torch.allclose(value, (snaps[0][name] + snaps[1][name]) / 2, atol=1e-6), name
+
+
+def test_a_carrier_refuses_changes_from_peers_that_do_not_follow_and_malformed_ones(swarm_factory):
+    a, b, home = _swarm_with_follower(swarm_factory)
+    shapes = [p.shape for p in home.sync.shared.params]
+    good = [serialize_tensor(torch.zeros(s), 0) for s in shapes]
+
+    def send(sender: Peer, serialized, weight: float = 100.0) -> str | None:
+        return sender.sync.exchange.carry_async(PeerID.from_base58(a.swarm.peer_id), 1, weight, serialized,
+                                                timeout=20).result(30)
+
+    # Refused: the carrier answers at once and stops reading, so the sender sees the reason or a reset stream.
+    assert send(b, good) is not None  # b all-reduces itself: its change must not count twice
+    assert a.sync.exchange.carried.received == 0
+    malformed = a.sync.rejects.counts().get("malformed", 0)
+    assert send(home, good[:-1]) is not None  # a tensor missing
+    assert send(home, good[1:] + good[:1]) is not None  # wrong shapes
+    assert send(home, [serialize_tensor(torch.full(s, float("nan")), 0) for s in shapes]) is not None
+    assert send(home, good, weight=float("inf")) is not None
+    assert a.sync.rejects.counts().get("malformed", 0) == malformed + 4
+    assert a.sync.exchange.carried.received == 0
+    assert send(home, good) is None and a.sync.exchange.carried.received == 1
+
+
+def test_what_a_send_does_not_carry_goes_with_the_next_one():
+    """Error feedback: the 8-bit rounding and a failed send stay with the follower, with their tokens."""
+    g = torch.Generator().manual_seed(0)
+    delta = [torch.randn(128, 64, generator=g) * 0.01, torch.randn(32, generator=g)]
+    serialized, leftover = encode_change(delta)
+    decoded = [deserialize_parts(list(split_for_streaming(s))) for s in serialized]
+    assert serialized[0].compression != serialized[1].compression  # a small tensor goes 16-bit, not 8-bit
+    for d, dec, r in zip(delta, decoded, leftover):
+        assert torch.allclose(dec + r, d, atol=1e-7) and float(r.abs().max()) > 0
+    sender = ChangeSender()
+    total, weight = sender.take(delta, 10.0)
+    sender.keep(leftover)
+    import concurrent.futures
+    failed = concurrent.futures.Future()
+    sender.started(failed, decoded, weight)
+    failed.set_result("busy")
+    total2, weight2 = sender.take([torch.zeros_like(d) for d in delta], 5.0)
+    assert weight2 == 15.0
+    for t, d in zip(total2, delta):
+        assert torch.allclose(t, d, atol=1e-6)  # all of round 1's change, for the next send
