@@ -108,17 +108,33 @@ def deserialize_parts(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
 # ---- wire format of sync/transfer.py's requests and responses -------------------------------------------------
 
 # ASCII digits only ("\d" would accept other scripts' digits); the length bound keeps int() cheap. An optional
-# "m" asks for the owner's optimizer moments of the expert instead of its values (handoff, sync/fetch.py).
-_UID_RE = re.compile(r"(m?)([0-9]{1,9})@([0-9]{1,18})")
+# "m" asks for the owner's optimizer moments of the expert instead of its values (handoff, sync/fetch.py); "s0"
+# for a round's shared all-reduce result (a follower's download, sync/following.py).
+_UID_RE = re.compile(r"([ms]?)([0-9]{1,9})@([0-9]{1,18})")
 _MAX_NAMES, _MAX_NAME_LEN = 100_000, 1_000
 _MAX_REQUEST_METADATA = 256
 _DIGEST_BYTES, _MAX_PEER_ID_BYTES = 32, 128
 
 
+# The store key of a round's shared all-reduce result, served to followers as `"s0@{round}"` (sync/following.py).
+SHARED_KEY = -1
+
+
+def make_uid(expert: int, round_id: int, moments: bool = False) -> str:
+    """The request uid of `expert` (or SHARED_KEY: the shared tensors) as of `round_id`; see parse_uid."""
+    if expert == SHARED_KEY:
+        return f"s0@{round_id}"
+    return f"{'m' if moments else ''}{expert}@{round_id}"
+
+
 def parse_uid(uid: str) -> tuple[bool, int, int] | None:
-    """(moments?, expert, round) of a request uid "[m]{expert}@{round}", None if malformed."""
+    """(moments?, expert, round) of a request uid "[m]{expert}@{round}" or "s0@{round}" (expert SHARED_KEY: a
+    round's shared result), None if malformed."""
     match = _UID_RE.fullmatch(uid) if isinstance(uid, str) and len(uid) <= 32 else None
-    return (match.group(1) == "m", int(match.group(2)), int(match.group(3))) if match else None
+    if not match or (match.group(1) == "s" and match.group(2) != "0"):
+        return None
+    expert = SHARED_KEY if match.group(1) == "s" else int(match.group(2))
+    return match.group(1) == "m", expert, int(match.group(3))
 
 
 def parse_request_metadata(raw: bytes) -> tuple[bool, int | None, bool, bool]:

@@ -20,7 +20,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 
 from sync.codec import IncompleteResponse, MalformedResponse, deserialize_parts as _deserialize_parts
-from sync.codec import parse_metadata as _parse_metadata
+from sync.codec import SHARED_KEY, make_uid as _make_uid, parse_metadata as _parse_metadata
 from sync.copies import HeldCopy, digest_parts
 
 logger = get_logger(__name__)
@@ -57,6 +57,19 @@ class ExpertClient:
             self._fetch(peer, int(expert), int(round_id), timeout, request,
                         int(round_id) if min_round is None else int(min_round)), self._loop)
 
+    def fetch_shared_async(self, peer: PeerID, round_id: int, min_round: int, timeout: float,
+                           ) -> concurrent.futures.Future:
+        """A follower's download (sync/following.py): `peer`'s shared all-reduce result of `round_id` (or its
+        newest, no older than `min_round`) in bf16; a `FetchedExpert` (name -> tensor) or None, never raises.
+        Never passed on: a follower must not become a holder that others are sent to."""
+        if self._closed:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        request = {"min_round": int(min_round), "bf16": True}
+        return asyncio.run_coroutine_threadsafe(
+            self._fetch(peer, SHARED_KEY, int(round_id), timeout, request, int(min_round)), self._loop)
+
     def fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float,
               min_round: int | None = None, bf16: bool = False) -> FetchedExpert | None:
         """Blocking fetch (from any thread but the exchange's own); None if unavailable, late or malformed."""
@@ -83,7 +96,7 @@ class ExpertClient:
 
     async def _fetch(self, peer: PeerID, expert: int, round_id: int, timeout: float, request: dict | None = None,
                      min_round: int | None = None, moments: bool = False) -> FetchedExpert | None:
-        uid = f"{'m' if moments else ''}{expert}@{round_id}"
+        uid = _make_uid(expert, round_id, moments)
         what = f"{'moments of ' if moments else ''}expert {expert}@{round_id} from {peer}"
         min_round = round_id if min_round is None else min_round
         request = request or {}
@@ -210,7 +223,7 @@ class ExpertClient:
             raise MalformedResponse("sent to an unparsable peer ID") from None
         self.redirects["followed"] += 1
         try:
-            got, groups = await self._request(holder, f"{expert}@{meta['round']}", {"bf16": True})
+            got, groups = await self._request(holder, _make_uid(expert, meta["round"]), {"bf16": True})
             if "error" in got or "redirect" in got:
                 raise LookupError(got.get("error", "sent on again"))
             if got["round"] != meta["round"] or got["names"] != meta["names"]:

@@ -16,6 +16,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from sync.carry import ChangeSender, encode_change
+from sync.codec import SHARED_KEY
 from sync.report import RoundReport
 from sync.swarm import PeerRecord
 
@@ -68,10 +69,32 @@ class Following:
         random.shuffle(sources)
         if self.cfg.carry_changes:
             self._send_change(sources[-1:], tokens)
-        # One source: three copies through a slow downlink would triple the round; a liar's copy is still bounded
-        # by the state checks, and the next round's source is another random peer.
-        report.followed = self._download_shared(sources, want=1) or None
+        report.followed = self._download_result(sources)
         report.timing["download"] = time.perf_counter() - started
+
+    def _download_result(self, sources: list[str]) -> list[list[torch.Tensor]] | None:
+        """The swarm's shared tensors from one source: its last all-reduce result in bf16 (half the bytes of
+        fp32, served by the expert exchange; the averager process, which runs the source's all-reduce, is left
+        alone), or else its averager's state (a source of an earlier build). One source: three copies through a
+        slow downlink would triple the round; a liar's copy is still bounded by the state checks
+        (SharedAverager.apply_followed), and the next round's source is another random peer."""
+        names = [n for n, _ in self.model.shared_parameters()]
+        timeout = min(self.cfg.round_timeout, 30.0)
+        for source in sources[:2]:
+            fetched = self.exchange.fetch_shared_async(PeerID.from_base58(source), self.round_id,
+                                                       max(0, self.round_id - 2), timeout).result(timeout + 5)
+            if fetched is not None and all(n in fetched for n in names):
+                return [[fetched[n] for n in names]]
+        return self._download_shared(sources, want=1) or None
+
+    def _serve_result(self, round_id: int) -> None:
+        """(After a round's all-reduce was applied) this round's result is what followers download: published in
+        the expert exchange while any live peer follows (the last synchronized value of each tensor, the same
+        on every member of the group unless this peer refused some of it)."""
+        if self.follower or not any(r.follows for r in self.progress.others().values()):
+            return
+        names = [n for n, _ in self.model.shared_parameters()]
+        self.exchange.publish(round_id, SHARED_KEY, dict(zip(names, self.shared.synced)))
 
     def _send_change(self, carriers: list[str], tokens: int) -> None:
         with torch.no_grad():

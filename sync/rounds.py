@@ -359,6 +359,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         else:
             if report.group_size > 1:
                 report.rejected += self.shared.apply(tokens=pending.weight)
+                self._serve_result(report.round_id)
             elif report.followed is not None and not self.shared.apply_followed(report.followed):
                 logger.warning("no peer served valid shared tensors this round: keeping the local ones")
             report.followed = None  # applied: do not keep a copy of the shared tensors alive in the report

@@ -214,7 +214,9 @@ class SharedAverager:
     def fold_carried(self, changes: list[CarriedChange], weight: float) -> float:
         """(Round start, after take_snapshot) fold followers' shared changes into what this peer contributes
         (sync/carry.py); its own snapshot, against which the result is applied, stays as it was. Returns the
-        contribution's weight (this peer's tokens plus the kept changes')."""
+        contribution's weight: this peer's tokens plus the kept changes', at most max_weight, the cap every reducer
+        applies to any claim (a carrier and its followers share one peer's cap; claiming more would only be
+        counted as a `weight` refusal at every reducer)."""
         if not changes:
             return weight
         short = self.max_weight / max(weight, 1.0) if math.isfinite(self.max_weight) else 1.0
@@ -230,7 +232,7 @@ class SharedAverager:
                     tensor.copy_(value)
             logger.info(f"carrying {len(changes) - len(refused)} follower change(s) into this round's all-reduce "
                         f"(weight {weight:g} + {total - weight:g} tokens)")
-        return total
+        return min(total, self.max_weight)
 
     def prepare(self, expected: int, start: float, timeout: float) -> bool:
         """Look for the next all-reduce's group now, before its round starts at DHT time `start` (sync.schedule,
@@ -322,6 +324,8 @@ class SharedAverager:
         if self.cfg.target_group_size == 0 and expected >= 2 and expected != self._expected:
             try:
                 self.averager.set_expected_group_size(expected)
+                logger.info(f"{self.averager.prefix}: an all-reduce starts once {expected} peers joined its group "
+                            f"(was {self._expected or 'unset'}; at most {self.matchmaking_time:g} s)")
                 self._expected = expected
             except Exception as e:  # the averager process is gone or busy: this round waits matchmaking_time
                 logger.debug(f"could not set the expected group size: {e!r}")

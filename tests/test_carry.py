@@ -139,3 +139,23 @@ def test_what_a_send_does_not_carry_goes_with_the_next_one():
     assert weight2 == 15.0
     for t, d in zip(total2, delta):
         assert torch.allclose(t, d, atol=1e-6)  # all of round 1's change, for the next send
+
+
+def test_a_follower_takes_the_last_result_in_bf16_from_the_exchange(swarm_factory):
+    """While a peer follows, the others serve each round's all-reduce result from their expert exchange; the
+    follower gets it in bf16 (half the bytes) without asking any averager for its state."""
+    a, b, home = _swarm_with_follower(swarm_factory)
+    for i, peer in enumerate((a, b, home)):
+        local_training(peer, seed=70 + i)
+    assert [r.group_size for r in _round([a, b])] == [2, 2]
+    average = shared_params(a)
+    served_by_averagers = a.sync.shared.bytes_sent() + b.sync.shared.bytes_sent()
+    received = home.sync.bytes_received()["shared"]
+    report = _round([home])[0]
+    assert report.group_size == 1 and "download" in report.timing, report
+    for name, value in shared_params(home).items():
+        # (live + (downloaded - snapshot) in fp32: exact up to that arithmetic's rounding)
+        assert torch.allclose(value, average[name].to(torch.bfloat16).float(), rtol=0, atol=1e-6), name
+    assert a.sync.shared.bytes_sent() + b.sync.shared.bytes_sent() == served_by_averagers  # no state download
+    fp32_bytes = sum(4 * p.numel() for p in home.sync.shared.params)
+    assert home.sync.bytes_received()["shared"] - received < 0.6 * fp32_bytes
