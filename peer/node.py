@@ -181,7 +181,7 @@ class PeerNode:
                         client_mode=mode.client_mode)
         ticket = getattr(self.admission, "own_ticket", None) or b""
         swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
-                      admission=self.admission, initial_peers=initial_peers)
+                      admission=self.admission, initial_peers=initial_peers, averages_as_client=mode.client_mode)
         if swarm.live_elsewhere():
             swarm.shutdown(withdraw=False)  # the record is the other process's: leave it alone
             raise SwarmError(f"peer ID {swarm.peer_id} is already live in run {cfg.run_id}: another process "

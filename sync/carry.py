@@ -45,6 +45,9 @@ logger = get_logger(__name__)
 MAX_CONCURRENT = 2  # changes being received at once (each up to one fp32 copy of the shared tensors)
 MAX_SENDERS = 4  # followers whose newest change a carrier holds until its next round
 MAX_AGE_ROUNDS = 2  # a change labelled more than this many rounds before the carrier's round is dropped
+# A change may span several of the follower's rounds (sends skipped while the previous one was still on its way
+# up a slow link): its size is judged against as many of the carrier's rounds as its tokens claim, at most this.
+MAX_SPAN = 4.0
 PARTS_PER_MESSAGE = 16
 _EIGHT_BIT = runtime_pb2.CompressionType.UNIFORM_8BIT
 
@@ -53,8 +56,9 @@ _EIGHT_BIT = runtime_pb2.CompressionType.UNIFORM_8BIT
 class CarriedChange:
     sender: str  # base58 peer ID
     round_id: int
-    weight: float
+    weight: float  # tokens, capped at one round's (the most any peer's contribution may claim)
     tensors: list[torch.Tensor]
+    claimed: float = 0.0  # tokens as claimed (uncapped): how many rounds the change spans
 
 
 def encode_change(delta: list[torch.Tensor]) -> tuple[list[runtime_pb2.Tensor], list[torch.Tensor]]:
@@ -120,6 +124,7 @@ class CarryInbox:
         peer_id = sender.to_base58()
         shapes = self.shapes
         if shapes is None or not self.follows(peer_id):
+            logger.debug(f"not carrying the change of {peer_id}: {'its record does not say it follows' if shapes else 'not ready'}")
             return answer(error="not a follower" if shapes is not None else "not ready")
         if len(self._active) >= MAX_CONCURRENT or peer_id in self._active:
             return answer(error="busy")
@@ -163,7 +168,7 @@ class CarryInbox:
         if meta is None or len(groups) != len(shapes):
             raise MalformedResponse(f"{len(groups)} tensors, expected {len(shapes)}")
         tensors = await asyncio.get_running_loop().run_in_executor(None, _decode, groups, shapes)
-        return CarriedChange(peer_id, meta["round"], min(meta["weight"], self.max_weight), tensors)
+        return CarriedChange(peer_id, meta["round"], min(meta["weight"], self.max_weight), tensors, meta["weight"])
 
     def take(self, round_id: int) -> list[CarriedChange]:
         """(Round start) every change held, once; those older than MAX_AGE_ROUNDS before `round_id` are dropped."""
@@ -201,21 +206,27 @@ def _decode(groups: list[list[runtime_pb2.Tensor]], shapes: list[tuple[int, ...]
 
 @torch.no_grad()
 def fold_changes(snapshot: list[torch.Tensor], synced: list[torch.Tensor], weight: float,
-                 changes: list[CarriedChange], max_ratio: float) -> tuple[list[torch.Tensor] | None, float, list[str]]:
+                 changes: list[CarriedChange], max_ratio: float, round_tokens: float,
+                 ) -> tuple[list[torch.Tensor] | None, float, list[tuple[str, float]]]:
     """The carrier's contribution with the followers' changes folded in (the module docstring's formula), its
-    weight, and the senders whose change was refused: one whose change of some tensor exceeds `max_ratio` times
+    weight, and the senders whose change was refused (with the largest change ÷ allowed of its tensors): one whose change of some tensor exceeds `max_ratio` times
     the carrier's own change of it (floored by the carrier's overall relative change, as an all-reduce result is
     judged in sync/shared.py `check_result`), so a hostile follower moves the carrier's contribution no further
-    than an honest peer's change could. (None, weight, refused) when no change is kept."""
+    than an honest peer's change could (times the rounds it spans: `round_tokens` is one round's tokens). (None,
+    weight, refused) when no change is kept."""
     own = [s - r for s, r in zip(snapshot, synced)]
     own_norms = [float(torch.linalg.vector_norm(o)) for o in own]
     ref_norms = [float(torch.linalg.vector_norm(r)) for r in synced]
     rel = math.sqrt(sum(o * o for o in own_norms)) / max(math.sqrt(sum(r * r for r in ref_norms)), 1e-12)
     kept, refused = [], []
     for change in changes:
-        if any(float(torch.linalg.vector_norm(d)) > max_ratio * max(o, rel * r, 1e-8)
-               for d, o, r in zip(change.tensors, own_norms, ref_norms)):
-            refused.append(change.sender)
+        # A change of several rounds (its tokens say how many, in units of one round's) may be as many times
+        # larger; a liar gains at most MAX_SPAN, and its weight stays capped.
+        span = min(MAX_SPAN, max(1.0, change.claimed / max(round_tokens, 1.0)))
+        worst = max(float(torch.linalg.vector_norm(d)) / (span * max_ratio * max(o, rel * r, 1e-8))
+                    for d, o, r in zip(change.tensors, own_norms, ref_norms))
+        if worst > 1.0:
+            refused.append((change.sender, worst))
         else:
             kept.append(change)
     if not kept:

@@ -46,12 +46,13 @@ class SyncConfig:
     # come costs matchmaking_time, as without a target); N >= 2: exactly N (organized runs); -1: no target,
     # always wait the whole matchmaking_time.
     target_group_size: int = 0
-    # A peer whose declared upload (network.upload_mbit) is below this many Mbit/s does not join the shared
-    # all-reduce: every round it downloads the swarm's shared tensors instead (its own shared changes are
-    # dropped) and serves its experts as usual. Its uplink would otherwise make every all-reduce it joins as
-    # slow as itself (bench.wan `mixed`: 40 s instead of 3 s). 0 (default) = every peer all-reduces; opt in
-    # with e.g. 10 (see bench/README.md, bench.wan `mixed_bw`, for what it did and did not fix).
-    follow_below_mbit: float = 0.0
+    # A peer whose upload (declared as network.upload_mbit, or else measured: sync/uplink.py) is below this many
+    # Mbit/s does not join the shared all-reduce: every round it downloads the last all-reduce result (bf16) and
+    # sends its own shared change to a peer that folds it in (carry_changes), and serves its experts as usual.
+    # Its uplink would otherwise make every all-reduce it joins as slow as itself, and a DHT reply of it wait
+    # behind its uploads (bench.wan `mixed`: public rounds 3.5-4.5 s with it following, 9-12 s without). 0 = every
+    # peer all-reduces.
+    follow_below_mbit: float = 10.0
     # A follower sends its own shared change each round (8-bit, rounding error kept for the next one) to one peer
     # that all-reduces, which folds it into its contribution (sync/carry.py): the follower's tokens count in the
     # shared average instead of being dropped. False: a follower's shared changes are not averaged in.

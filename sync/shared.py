@@ -155,7 +155,7 @@ class SharedAverager:
         self.matchmaking_time = matchmaking
         # A peer behind NAT in client mode (sync.reach) averages as a hivemind client: it never leads a group,
         # reduces a part or serves state, since nobody could open a connection to it for those.
-        client_mode = bool(swarm.dht.client_mode)
+        client_mode = bool(swarm.dht.client_mode if swarm.averages_as_client is None else swarm.averages_as_client)
         self.averager = _CountingAverager(
             [p.detach().to("cpu", torch.float32).clone() for p in self.params], swarm.dht,
             prefix=prefix or f"{swarm.run_id}_shared", start=True, min_group_size=2,
@@ -220,12 +220,13 @@ class SharedAverager:
         if not changes:
             return weight
         short = self.max_weight / max(weight, 1.0) if math.isfinite(self.max_weight) else 1.0
+        round_tokens = self.max_weight if math.isfinite(self.max_weight) else weight
         contribution, total, refused = fold_changes(self.snapshot, self.synced, weight, changes,
-                                                    self.cfg.max_delta_ratio * max(1.0, short))
-        for sender in refused:
+                                                    self.cfg.max_delta_ratio * max(1.0, short), round_tokens)
+        for sender, ratio in refused:
             self._reject("delta")
-            logger.warning(f"refused the carried shared change of follower {sender[-6:]}: out of proportion to "
-                           f"this peer's own change")
+            logger.warning(f"refused the carried shared change of follower {sender[-6:]}: {ratio:.1f}x what this "
+                           f"peer's own change allows")
         if contribution is not None:
             with self.averager.get_tensors() as tensors:
                 for tensor, value in zip(tensors, contribution):

@@ -86,7 +86,7 @@ def test_a_slow_measured_uplink_reduces_a_small_part_and_sends_its_parts_8bit(sw
 
     from tests.conftest import local_training, round_all, shared_params
 
-    cfg = sync_cfg(slow_uplink_mbit=20.0)
+    cfg = sync_cfg(slow_uplink_mbit=20.0, follow_below_mbit=0.0)  # 5 Mbit/s would follow by default (below)
     peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
     slow = peers[2]
     for peer, rate in zip(peers, (95.0, 110.0, 5.0)):  # as the probe measured them (tests/test_netns.py)
@@ -144,6 +144,29 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_to_8bit():
     assert len(slow.compress(part, part_info).buffer) < len(plain.compress(part, part_info).buffer) / 3
 
 
+def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkeypatch):
+    """A 5 Mbit/s uplink, measured (nobody declared it), makes the peer a follower (sync.follow_below_mbit, 10
+    by default): its record says so, and the others' next round neither waits for it nor counts it."""
+    cfg = sync_cfg(matchmaking_time=4.0)
+    peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
+    for peer, rate in zip(peers, (95.0, 110.0, 5.0)):
+        monkeypatch.setattr(peer.sync.exchange, "measure_upload", lambda targets, rate=rate: rate)
+    for peer in peers:
+        peer.sync.join(step=0, tokens=0)
+    deadline = time.monotonic() + 10
+    while not peers[2].sync.follower and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert peers[2].sync.follower and not peers[0].sync.follower and not peers[1].sync.follower
+    peers[2].swarm.publish()  # (the heartbeat or its next round stores it)
+    records = peers[0].swarm.peers()
+    assert records[peers[2].swarm.peer_id].follows and not records[peers[1].swarm.peer_id].follows
+    started = time.monotonic()
+    for peer in peers[:2]:
+        peer.sync.start_round(step=1, tokens=10, tokens_since_last=10)
+    assert [p.sync.finish_round(block=True).group_size for p in peers[:2]] == [2, 2]
+    assert time.monotonic() - started < 4.0  # not the matchmaking time spent waiting for the follower
+
+
 def test_a_slow_uplink_sends_its_expert_copies_once_a_round(swarm_factory):
     """A peer with a slow uplink (declared here; measured ones alike) sends each of its experts' bf16 copies out
     once in a round of four peers: the first requester gets it, the other two are sent to that holder and get
@@ -154,7 +177,7 @@ def test_a_slow_uplink_sends_its_expert_copies_once_a_round(swarm_factory):
 
     from tests.conftest import MODEL, local_training, round_all
 
-    cfg = sync_cfg(slow_uplink_mbit=20.0)
+    cfg = sync_cfg(slow_uplink_mbit=20.0, follow_below_mbit=0.0)  # it all-reduces too (it would follow by default)
     bf16 = replace(MODEL, frozen_expert_dtype="bfloat16")  # copies asked for in bf16, as by default in peer.run
     peers = [swarm_factory([e], cfg, model_cfg=bf16) for e in range(3)]
     peers.append(swarm_factory([3], cfg, bandwidth=5.0, model_cfg=bf16))
