@@ -94,7 +94,10 @@ class Following:
         if self.follower or not any(r.follows for r in self.progress.others().values()):
             return
         names = [n for n, _ in self.model.shared_parameters()]
-        self.exchange.publish(round_id, SHARED_KEY, dict(zip(names, self.shared.synced)))
+        # Parameters, not changes: never 8-bit (sync.compression=8bit is for expert copies); fp16 is as small
+        # as the bf16 form the default codec gives.
+        codec = "fp16" if self.cfg.compression == "8bit" else None
+        self.exchange.publish(round_id, SHARED_KEY, dict(zip(names, self.shared.synced)), codec=codec)
 
     def _send_change(self, carriers: list[str], tokens: int) -> None:
         with torch.no_grad():

@@ -220,13 +220,12 @@ class SharedAverager:
         if not changes:
             return weight
         short = self.max_weight / max(weight, 1.0) if math.isfinite(self.max_weight) else 1.0
-        round_tokens = self.max_weight if math.isfinite(self.max_weight) else weight
         contribution, total, refused = fold_changes(self.snapshot, self.synced, weight, changes,
-                                                    self.cfg.max_delta_ratio * max(1.0, short), round_tokens)
+                                                    self.cfg.max_delta_ratio * max(1.0, short))
         for sender, ratio in refused:
             self._reject("delta")
-            logger.warning(f"refused the carried shared change of follower {sender[-6:]}: {ratio:.1f}x what this "
-                           f"peer's own change allows")
+            logger.warning(f"refused the carried shared change of follower {sender[-6:]}: its pull on this peer's "
+                           f"contribution is {ratio:.1f}x what this peer's own change allows")
         if contribution is not None:
             with self.averager.get_tensors() as tensors:
                 for tensor, value in zip(tensors, contribution):

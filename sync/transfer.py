@@ -180,14 +180,15 @@ class ExpertExchange(ExpertClient, StateDownloads):
 
     # ---- serving -------------------------------------------------------------------------------------------
 
-    def publish(self, round_id: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Make `expert` as of `round_id` fetchable; takes CPU snapshots, keeps the newest keep_rounds rounds."""
+    def publish(self, round_id: int, expert: int, tensors: dict[str, torch.Tensor], codec: str | None = None) -> None:
+        """Make `expert` as of `round_id` fetchable; takes CPU snapshots, keeps the newest keep_rounds rounds.
+        `codec`: serve it with this one of COMPRESSION_TYPES instead of the exchange's (then never as bf16)."""
         names = list(tensors)
         # One copy now (the model keeps training in place); contiguous so serialization is a plain memcpy.
         snapshot = [tensors[n].detach().to("cpu", copy=True).contiguous() for n in names]
         with self._lock:
             rounds = self._store.setdefault(int(expert), {})
-            rounds[int(round_id)] = _Entry(names, snapshot)
+            rounds[int(round_id)] = _Entry(names, snapshot, None if codec is None else COMPRESSION_TYPES[codec])
             for old in sorted(rounds)[:-self.keep_rounds]:
                 del rounds[old]
 

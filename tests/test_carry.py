@@ -159,3 +159,30 @@ def test_a_follower_takes_the_last_result_in_bf16_from_the_exchange(swarm_factor
     assert a.sync.shared.bytes_sent() + b.sync.shared.bytes_sent() == served_by_averagers  # no state download
     fp32_bytes = sum(4 * p.numel() for p in home.sync.shared.params)
     assert home.sync.bytes_received()["shared"] - received < 0.6 * fp32_bytes
+
+
+def test_fold_weighs_by_tokens_and_bounds_each_changes_pull():
+    """The fold is the weighted mean of the carrier's and the followers' changes on the carrier's last
+    synchronized value; a change is refused when its pull on the contribution (share x its distance from the
+    carrier's own change) exceeds max_ratio x that own change, so a big change with few tokens passes and the
+    same change claiming a full round does not."""
+    from sync.carry import CarriedChange, fold_changes
+
+    synced = [torch.zeros(4, 4), torch.ones(8)]
+    own = [torch.full((4, 4), 0.1), torch.full((8,), 0.1)]
+    snapshot = [s + o for s, o in zip(synced, own)]
+    follower = [torch.full((4, 4), -0.2), torch.full((8,), 0.3)]
+    change = CarriedChange("f", 5, weight=50.0, tensors=follower)
+    contribution, total, refused = fold_changes(snapshot, synced, 150.0, [change], max_ratio=4.0)
+    assert total == 200.0 and refused == []
+    for c, s, o, f in zip(contribution, synced, own, follower):
+        assert torch.allclose(c, s + (150 * o + 50 * f) / 200)
+    big = [20.0 * o for o in own]  # pull 0.5 x 19 = 9.5x the carrier's own change at equal weights
+    assert fold_changes(snapshot, synced, 150.0, [CarriedChange("f", 5, 150.0, big)], 4.0)[2][0][0] == "f"
+    assert fold_changes(snapshot, synced, 150.0, [CarriedChange("f", 5, 10.0, big)], 4.0)[2] == []  # 1.2x
+    # Two followers: the hostile one is refused, the honest one still folded in at its share of what is left.
+    contribution, total, refused = fold_changes(
+        snapshot, synced, 150.0, [CarriedChange("h", 5, 150.0, big), CarriedChange("f", 5, 50.0, follower)], 4.0)
+    assert [r[0] for r in refused] == ["h"] and total == 200.0
+    for c, s, o, f in zip(contribution, synced, own, follower):
+        assert torch.allclose(c, s + (150 * o + 50 * f) / 200)
