@@ -13,12 +13,14 @@ and `--steps` local steps. Arms:
   (0-1, 2-3, 4-5, 6-7 of 8); `sync.overlap=false`, so a round's wall time is all on the clock.
 - `diloco`: the same links, every peer owns every expert (`--experts all`); `sync.overlap=false`.
 - `mixed`: 3 public 100 Mbit/s peers + 1 home peer behind the NAT at 20 Mbit/s down / 5 Mbit/s up with
-  `--use-auto-relay`; SPES, `sync.overlap=false`.
+  `--use-auto-relay`; SPES, `sync.overlap=false`. With the defaults the home peer measures its uplink twice and
+  then follows (`sync.follow_below_mbit`, 10); `--set sync.follow_below_mbit=0` keeps it in the all-reduce.
 - `spes_overlap`: as `spes` with the default `sync.overlap=true` (rounds run behind training), for blocked share.
 - `mixed_client`: as `mixed` with the home peer in `--client-mode` instead of `--use-auto-relay`.
-- `mixed_bw`: as `mixed`, the home peer telling its uplink (`--set network.upload_mbit=5`: its all-reduce share).
-- `mixed_follow`: as `mixed_bw`, and the home peer follows (`sync.follow_below_mbit=10`): it downloads the shared
-  tensors each round instead of joining the all-reduce.
+- `mixed_bw`: as `mixed`, the home peer telling its uplink (`--set network.upload_mbit=5`): no probe, it follows
+  from its first round (below the default `sync.follow_below_mbit`).
+- `mixed_follow`: as `mixed_bw` with `sync.follow_below_mbit=10` set explicitly (the default since issue 13
+  session 12; kept for older builds).
 - `slow`: as `spes_overlap`, with p3 limited to `SLOW_CORES` CPU cores by a cgroup (tests/swarmlab.py
   `CpuQuota`): a 3-4x slower machine. It is stopped when the fast peers finish; "steps" shows how far it got.
 
