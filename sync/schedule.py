@@ -114,8 +114,12 @@ class Scheduling:
         if self._last_step_at is not None:
             self._step_intervals.append(now - self._last_step_at)
         self._last_step_at = now
-        if self._probes_left and self._pending is None and not self._leaving:
-            # Between rounds, so the probe's bytes do not compete with a round's transfers (sync/uplink.py).
+        idle = self._pending is None or self._pending.future.done()
+        if self._probes_left and self._probe_allowed(idle) and not self._leaving:
+            # Between rounds, so the probe's bytes do not compete with a round's transfers (sync/uplink.py); with
+            # sync.overlap a round is applied only at the next boundary, so "its transfers are done" counts too,
+            # and a probe confirming a slow reading runs anyway once it is overdue (a slow uplink's transfers may
+            # fill every interval: it would never run, nor the peer follow).
             self._maybe_measure_uplink(self.progress.others(max_age=2 * self.progress.poll + 1))
         step_time = self.step_time()
         if not self.cfg.start_together or step_time is None or self._leaving or self.follower:

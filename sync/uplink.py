@@ -38,6 +38,10 @@ MAX_CONCURRENT = 2
 COOLDOWN = 30.0
 FAST_UPLINK_MBIT = 100.0  # what a measured uplink at or above sync.slow_uplink_mbit declares to hivemind
 MAX_PROBES = 3  # attempts (one per round while no target answered), then the uplink stays unknown
+# A probe confirming a reading below sync.follow_below_mbit runs after the sinks' COOLDOWN (they would refuse it
+# sooner), at a step between rounds, or after CONFIRM_WITHIN s at any step.
+CONFIRM_AFTER = COOLDOWN + 1.0
+CONFIRM_WITHIN = 2 * COOLDOWN
 
 _PAYLOAD = runtime_pb2.ExpertRequest(metadata=os.urandom(CHUNK_BYTES))  # incompressible, built once
 
@@ -117,16 +121,30 @@ class UplinkMeasuring:
         measure = self.bandwidth is None and self.cfg.slow_uplink_mbit > 0 and not self.follower
         self._probes_left = MAX_PROBES if measure else 0
         self._below_follow = False  # the last measurement was below sync.follow_below_mbit (one more confirms it)
+        self._below_follow_at = 0.0  # monotonic time of that measurement
+        self._confirm_tries = 0
         self._probing = False
         if self.bandwidth is not None and self.bandwidth < self.cfg.slow_uplink_mbit:
             self.shared.compression.use_eight_bit(True)  # a declared slow uplink: its parts go 8-bit too
             self.exchange.pass_copies_on = self.cfg.pass_on_copies
 
+    def _probe_allowed(self, idle: bool) -> bool:
+        """Whether a probe may start at this step: between rounds (`idle`), or for a probe confirming a slow
+        reading, once the sinks' cooldown has passed and, after CONFIRM_WITHIN s, at any step (a slow uplink's
+        transfers may fill every interval: it would never confirm, nor follow)."""
+        if not self._below_follow:
+            return idle
+        waited = time.monotonic() - self._below_follow_at
+        return waited > CONFIRM_AFTER and (idle or waited > CONFIRM_WITHIN)
+
     def _maybe_measure_uplink(self, others: dict) -> None:
         if self._probes_left <= 0 or self._probing or not others:
             return
         self._probing, self._probes_left = True, self._probes_left - 1
-        targets = random.sample(sorted(others), min(PROBE_TARGETS, len(others)))
+        # Not followers: a probe measures the slower of this uplink and the targets' downlinks, and a follower's
+        # (a home line) can be the slower (a 100 Mbit/s peer read 4.4 Mbit/s with a home peer its only target).
+        candidates = sorted(p for p, r in others.items() if not getattr(r, "follows", False)) or sorted(others)
+        targets = random.sample(candidates, min(PROBE_TARGETS, len(candidates)))
         threading.Thread(target=self._measure_uplink, args=(targets,), daemon=True, name="spes-uplink-probe").start()
 
     def _measure_uplink(self, targets: list[str]) -> None:
@@ -138,6 +156,9 @@ class UplinkMeasuring:
         finally:
             self._probing = False
         if rate is None:
+            if self._below_follow and self._probes_left == 0 and self._confirm_tries < MAX_PROBES:
+                self._confirm_tries += 1
+                self._probes_left = 1  # no target answered the confirming probe (busy, gone): try again
             return
         self._probes_left, self.measured_upload = 0, rate
         self._below_follow = self._below_follow and rate < self.cfg.follow_below_mbit
@@ -148,11 +169,17 @@ class UplinkMeasuring:
         self.exchange.pass_copies_on = slow and self.cfg.pass_on_copies
         if rate < self.cfg.follow_below_mbit and not self.follower and self._below_follow:
             self._become_follower(f"upload measured at {rate:.1f} Mbit/s twice (probes to {len(targets)} peer(s))")
+            # Stored now (this is the probe's thread), not at the next round: carriers take changes only from
+            # peers whose record says they follow, and its first change goes out with that round.
+            try:
+                self.swarm.publish()
+            except Exception as e:  # the heartbeat stores it within ttl / 3 anyway
+                logger.debug(f"could not store the record now: {e!r}")
         elif rate < self.cfg.follow_below_mbit and not self.follower:
             # Following is for the whole run: confirmed by a second probe first, at a step between rounds. A
             # 100 Mbit/s peer's probe at join, overlapping the first round's transfers, read 4.4 Mbit/s once in
             # bench.wan and made it a follower; in the meantime it is a slow uplink (below).
-            self._below_follow, self._probes_left = True, 1
+            self._below_follow, self._probes_left, self._below_follow_at = True, 1, time.monotonic()
             logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
                         f"sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}): measuring once more, between "
                         f"rounds, before following; until then 8-bit parts and a small share of each all-reduce")

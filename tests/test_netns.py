@@ -222,3 +222,33 @@ def test_upload_probe_tells_a_slow_uplink_from_a_fast_one(netlab: NetLab) -> Non
         rates[name] = json.loads(proc.expect(r'^\{"re": "probe"', 60).string)["mbit"]
     assert rates["fast"] is not None and rates["fast"] > threshold, rates
     assert rates["slow"] is not None and 1 < rates["slow"] < threshold, rates
+
+
+@pytest.mark.timeout(300)
+def test_slow_home_uplink_follows_and_its_changes_reach_the_average(netlab: NetLab) -> None:
+    """A home peer behind the NAT on a 5 Mbit/s uplink (measured twice, nobody declares it) follows: the public
+    peers' rounds stop waiting for it, it takes each round's result from them, and its own shared changes
+    come back into their all-reduce through a carrier (docs/DESIGN.md, "Slow uplinks follow")."""
+    boot_node = netlab.add_public("boot")
+    for name in ("pa", "pb"):
+        netlab.add_public(name)
+    netlab.add_home("home", up_mbit=5, down_mbit=20)
+    boot, initial = start_bootstrap(netlab, boot_node, 4)
+    flags = ("--set", "sync.wait_for_peers=3")
+    publics = [spes_peer(netlab, n, initial, e, *flags, steps=700) for n, e in (("pa", "0"), ("pb", "1"))]
+    # (the confirming probe waits out the sinks' 30 s cooldown: the home peer trains long enough to follow)
+    home = spes_peer(netlab, "home", initial, "2-3", "--use-auto-relay", *flags, steps=450)
+    home.wait_log(r"measuring once more", 90)
+    home.wait_log(r"twice .* below sync\.follow_below_mbit", 120)
+    for proc in (home, *publics):
+        assert proc.wait(timeout=240) == 0, proc.log_tail(60)
+    followed = [r for r in rounds(home.log_path.read_text()) if r.group == 1]
+    assert len(followed) >= 2, home.log_tail(40)
+    assert "download" in home.log_path.read_text()
+    public_logs = [p.log_path.read_text() for p in publics]
+    assert any("carrying 1 follower change(s)" in log for log in public_logs), [log[-3000:] for log in public_logs]
+    # While it follows, the public peers' groups are the two of them.
+    start, end = followed[0].started_at, followed[-1].applied_at
+    for log in public_logs:
+        meanwhile = [r for r in rounds(log) if start < r.started_at < end]
+        assert meanwhile and all(r.group == 2 for r in meanwhile), [(r.round_id, r.group) for r in rounds(log)]
