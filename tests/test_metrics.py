@@ -211,7 +211,8 @@ def test_shared_allreduce_bytes_are_counted_exactly(compression, bytes_per_value
             gen = torch.Generator().manual_seed(seed)
             params = [torch.randn(300, 100, generator=gen), torch.randn(1000, generator=gen)]
             numel = sum(p.numel() for p in params)
-            averagers.append(SharedAverager(None, SimpleNamespace(dht=dht, run_id="wire"), cfg, params=params,
+            swarm = SimpleNamespace(dht=dht, run_id="wire", averages_as_client=None)
+            averagers.append(SharedAverager(None, swarm, cfg, params=params,
                                             prefix=f"wire_{compression}"))
         expected = numel * bytes_per_value
         exact = []

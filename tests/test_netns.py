@@ -235,9 +235,9 @@ def test_slow_home_uplink_follows_and_its_changes_reach_the_average(netlab: NetL
     netlab.add_home("home", up_mbit=5, down_mbit=20)
     boot, initial = start_bootstrap(netlab, boot_node, 4)
     flags = ("--set", "sync.wait_for_peers=3")
-    publics = [spes_peer(netlab, n, initial, e, *flags, steps=700) for n, e in (("pa", "0"), ("pb", "1"))]
+    publics = [spes_peer(netlab, n, initial, e, *flags, steps=900) for n, e in (("pa", "0"), ("pb", "1"))]
     # (the confirming probe waits out the sinks' 30 s cooldown: the home peer trains long enough to follow)
-    home = spes_peer(netlab, "home", initial, "2-3", "--use-auto-relay", *flags, steps=450)
+    home = spes_peer(netlab, "home", initial, "2-3", "--use-auto-relay", *flags, steps=600)
     home.wait_log(r"measuring once more", 90)
     home.wait_log(r"twice .* below sync\.follow_below_mbit", 120)
     for proc in (home, *publics):
