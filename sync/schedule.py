@@ -118,8 +118,8 @@ class Scheduling:
         if self._probes_left and self._probe_allowed(idle) and not self._leaving:
             # Between rounds, so the probe's bytes do not compete with a round's transfers (sync/uplink.py); with
             # sync.overlap a round is applied only at the next boundary, so "its transfers are done" counts too,
-            # and a probe confirming a slow reading runs anyway once it is overdue (a slow uplink's transfers may
-            # fill every interval: it would never run, nor the peer follow).
+            # and after a while any step does (a slow uplink's transfers may fill every interval: it would never
+            # measure, nor follow).
             self._maybe_measure_uplink(self.progress.others(max_age=2 * self.progress.poll + 1))
         step_time = self.step_time()
         if not self.cfg.start_together or step_time is None or self._leaving or self.follower:

@@ -38,11 +38,12 @@ MAX_CONCURRENT = 2
 COOLDOWN = 30.0
 FAST_UPLINK_MBIT = 100.0  # what a measured uplink at or above sync.slow_uplink_mbit declares to hivemind
 MAX_PROBES = 3  # attempts (one per round while no target answered), then the uplink stays unknown
-# A probe confirming a reading below sync.follow_below_mbit runs after the sinks' COOLDOWN (they would refuse it
-# sooner), at a step between rounds, or after CONFIRM_WITHIN s at any step: a slow uplink's rounds may leave no
-# step between them (a home peer on 5 Mbit/s in a CI run never had one in 53 s).
+# A probe runs at a step between rounds, or at any step once BUSY_PROBE_AFTER s passed since the last attempt
+# (or the start): a slow uplink's rounds may leave no step between them, and a home peer on 5 Mbit/s that saw
+# nobody at join never measured in a CI run. One confirming a reading below sync.follow_below_mbit waits out the
+# sinks' COOLDOWN first (they would refuse it as busy).
+BUSY_PROBE_AFTER = 10.0
 CONFIRM_AFTER = COOLDOWN + 1.0
-CONFIRM_WITHIN = CONFIRM_AFTER + 5.0
 
 _PAYLOAD = runtime_pb2.ExpertRequest(metadata=os.urandom(CHUNK_BYTES))  # incompressible, built once
 
@@ -124,24 +125,24 @@ class UplinkMeasuring:
         self._below_follow = False  # the last measurement was below sync.follow_below_mbit (one more confirms it)
         self._below_follow_at = 0.0  # monotonic time of that measurement
         self._confirm_tries = 0
+        self._last_probe_at = time.monotonic()  # of the last attempt (or the start): see _probe_allowed
         self._probing = False
         if self.bandwidth is not None and self.bandwidth < self.cfg.slow_uplink_mbit:
             self.shared.compression.use_eight_bit(True)  # a declared slow uplink: its parts go 8-bit too
             self.exchange.pass_copies_on = self.cfg.pass_on_copies
 
     def _probe_allowed(self, idle: bool) -> bool:
-        """Whether a probe may start at this step: between rounds (`idle`), or for a probe confirming a slow
-        reading, once the sinks' cooldown has passed and, after CONFIRM_WITHIN s, at any step (a slow uplink's
-        transfers may fill every interval: it would never confirm, nor follow)."""
-        if not self._below_follow:
-            return idle
-        waited = time.monotonic() - self._below_follow_at
-        return waited > CONFIRM_AFTER and (idle or waited > CONFIRM_WITHIN)
+        """Whether a probe may start at this step: between rounds (`idle`) or BUSY_PROBE_AFTER s after the last
+        attempt; one confirming a slow reading only after the sinks' cooldown."""
+        now = time.monotonic()
+        if self._below_follow and now - self._below_follow_at <= CONFIRM_AFTER:
+            return False
+        return idle or now - self._last_probe_at > BUSY_PROBE_AFTER
 
     def _maybe_measure_uplink(self, others: dict) -> None:
         if self._probes_left <= 0 or self._probing or not others:
             return
-        self._probing, self._probes_left = True, self._probes_left - 1
+        self._probing, self._probes_left, self._last_probe_at = True, self._probes_left - 1, time.monotonic()
         # Not followers: a probe measures the slower of this uplink and the targets' downlinks, and a follower's
         # (a home line) can be the slower (a 100 Mbit/s peer read 4.4 Mbit/s with a home peer its only target).
         candidates = sorted(p for p, r in others.items() if not getattr(r, "follows", False)) or sorted(others)
