@@ -96,6 +96,7 @@ class Scheduling:
         self._ready_at: tuple[int, float] | None = None  # (round, DHT time) it first was ready for that round
         self._holding = False  # this due round is held for a later peer (counted once per round)
         self.round_shift = 0  # steps the round that round_due just started was held (sync.start_together)
+        self._steps_left: int | None = None  # steps the run had left before the last note_step's (None: no end)
         self.held_rounds = 0
         self.held_steps = 0
         self._due_publisher = DuePublisher(self.swarm)
@@ -111,6 +112,7 @@ class Scheduling:
         time and publish when this peer expects to be ready for its next round (sync.schedule). `steps_left`:
         steps this peer still trains (None: no end known); no group is looked for ahead of a round after them."""
         now = time.monotonic()
+        self._steps_left = steps_left
         if self._last_step_at is not None:
             self._step_intervals.append(now - self._last_step_at)
         self._last_step_at = now
@@ -176,7 +178,11 @@ class Scheduling:
         other peers' median round is already past this peer's: it is slower than them, and joins the round they
         are in with the tokens it trained (sync.progress)."""
         if steps_since_round >= self.cfg.every:
-            if self._defer(steps_since_round) or self._hold(steps_since_round):
+            # (Not at the run's last step: nothing is left to train while waiting, and a round held or deferred
+            # there never started: a 20-step run's peer ended without its second round while the other peer's
+            # looked for it, bench.convergence's smoke run in a CI simulation.)
+            last_step = self._steps_left is not None and self._steps_left <= 1
+            if not last_step and (self._defer(steps_since_round) or self._hold(steps_since_round)):
                 return False
             # Steps held for a later peer are borrowed from the next interval (the caller counts the next round
             # from `round_shift` steps back): the peers' rounds stay on the same steps. Counted from the held
