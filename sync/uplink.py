@@ -115,7 +115,7 @@ class UplinkMeasuring:
     """SparseSync mixin: measure this peer's upload once other peers are seen (at join, else at a later round's
     start), unless declared (network.upload_mbit) or sync.slow_uplink_mbit is 0; in a daemon thread, so neither
     join nor a round waits for it. Below sync.slow_uplink_mbit, hivemind is told the rate (a small part of each
-    all-reduce to reduce), the all-reduce parts go 8-bit and each bf16 expert copy goes out once a round
+    all-reduce to reduce), the all-reduce parts go fp16 and each bf16 expert copy goes out once a round
     (sync.pass_on_copies, sync/copies.py); at or above it, FAST_UPLINK_MBIT is declared."""
 
     def _init_uplink(self) -> None:
@@ -128,7 +128,7 @@ class UplinkMeasuring:
         self._last_probe_at = time.monotonic()  # of the last attempt (or the start): see _probe_allowed
         self._probing = False
         if self.bandwidth is not None and self.bandwidth < self.cfg.slow_uplink_mbit:
-            self.shared.compression.use_eight_bit(True)  # a declared slow uplink: its parts go 8-bit too
+            self.shared.compression.use_slow_codec(True)  # a declared slow uplink: its parts go fp16 too
             self.exchange.pass_copies_on = self.cfg.pass_on_copies
 
     def _probe_allowed(self, idle: bool) -> bool:
@@ -167,7 +167,7 @@ class UplinkMeasuring:
         slow = rate < self.cfg.slow_uplink_mbit
         self.bandwidth = rate if slow else FAST_UPLINK_MBIT
         self.shared.averager.bandwidth = self.bandwidth  # read by each step() in this process
-        self.shared.compression.use_eight_bit(slow)
+        self.shared.compression.use_slow_codec(slow)
         self.exchange.pass_copies_on = slow and self.cfg.pass_on_copies
         if rate < self.cfg.follow_below_mbit and not self.follower and self._below_follow:
             self._become_follower(f"upload measured at {rate:.1f} Mbit/s twice (probes to {len(targets)} peer(s))")
@@ -184,11 +184,11 @@ class UplinkMeasuring:
             self._below_follow, self._probes_left, self._below_follow_at = True, 1, time.monotonic()
             logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
                         f"sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}): measuring once more, between "
-                        f"rounds, before following; until then 8-bit parts and a small share of each all-reduce")
+                        f"rounds, before following; until then fp16 parts and a small share of each all-reduce")
         elif slow:
             logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
                         f"sync.slow_uplink_mbit ({self.cfg.slow_uplink_mbit:g}): this peer reduces a matching small "
-                        f"part of each all-reduce, sends its parts 8-bit"
+                        f"part of each all-reduce, sends its parts fp16"
                         f"{' and each expert copy once a round' if self.exchange.pass_copies_on else ''} "
                         f"(set network.upload_mbit to override)")
         else:

@@ -1,6 +1,6 @@
 """Wire accounting for the shared all-reduce (sync/shared.py): the payload bytes one averager sends and
 receives, counted in its own forked process and read from the peer's, and the codec switch that sends a slow
-uplink's parts 8-bit (docs/DESIGN.md, "Slow uplinks are measured")."""
+uplink's parts in fp16 (docs/DESIGN.md, "Slow uplinks are measured")."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -59,11 +59,15 @@ class CountingCompression(CompressionBase):
         self.compression_type = getattr(inner, "compression_type", None)
         self.counter = counter
         # Set from the peer's process, read in the averager's (compress runs there): a slow uplink's parts go
-        # 8-bit from the next all-reduce on (sync.slow_uplink_mbit); receivers decode each part by its own codec.
+        # fp16 from the next all-reduce on (sync.slow_uplink_mbit); receivers decode each part by its own codec.
+        # Not 8-bit: the parts are parameters, and 8-bit rounding of a parameter (1/256 of 6 sigma of its part's
+        # values) put a slow peer's part 23-56x the honest spread from the median in bench.wan `mixed`, so every
+        # reducer dropped it as an outlier (sync/robust.py): it cost the others its upload and counted for
+        # nothing. fp16's rounding (2^-11 of each value) stays inside the spread.
         self._slow = mp.Value("b", 0, lock=False) if switchable else None
-        self._slow_codec = eight_bit() if switchable else None
+        self._slow_codec = Float16Compression() if switchable else None
 
-    def use_eight_bit(self, on: bool) -> None:
+    def use_slow_codec(self, on: bool) -> None:
         if self._slow is not None:
             self._slow.value = int(on)
 

@@ -133,6 +133,39 @@ def test_policy_drops_nonfinite_and_caps_weights():
     assert rejects.counts()["nonfinite"] == 1 and rejects.counts()["weight"] == 1
 
 
+def test_a_sparse_honest_change_counts_once_the_spread_is_known():
+    """Where most rows of a part coincide (embedding rows of tokens only one peer's batches held: the others'
+    stay bit-equal), the median distance is 0. Without a floor for tau the one row that moved was dropped as an
+    outlier (11 of a reducer's 13 parts in one round of bench.wan `mixed`); with the floor learned from earlier
+    parts it counts, while a hostile row in such a part is still dropped."""
+    torch.manual_seed(0)
+    shape = torch.Size([4096])
+    base = 0.02 * torch.randn(4096)
+    sparse = [base.clone() for _ in range(3)]
+    sparse[2][:256] += 1e-3 * torch.randn(256)  # only this peer's rows moved
+    plain_mean = torch.stack(sparse).mean(0)
+
+    fresh = AggregationPolicy("centered_clip", rejects=RejectCounter())
+    assert torch.equal(fresh.aggregate(sparse, [1.0] * 3, shape), base)  # no spread seen yet: dropped, as before
+
+    rejects = RejectCounter()
+    policy = AggregationPolicy("centered_clip", rejects=rejects)
+    dense = [base + 1e-3 * torch.randn(4096) for _ in range(3)]  # a part every peer changed
+    assert torch.equal(policy.aggregate(dense, [1.0] * 3, shape), torch.stack(dense).mean(0))
+    assert torch.equal(policy.aggregate(sparse, [1.0] * 3, shape), plain_mean)
+    assert rejects.counts().get("delta", 0) == 0
+    hostile = [base.clone(), base.clone(), base + 1.0]
+    assert torch.equal(policy.aggregate(hostile, [1.0] * 3, shape), base)
+    assert rejects.counts()["delta"] == 1
+    # A row beyond tau but short of 2 tau is clipped, as in any part: the others' pull balances its tau at the
+    # fixed point, so it moves the result by its weight / the others' weight x tau (tau / 2 here), where the
+    # plain mean would move by its share of its distance (0.6 tau).
+    tau = policy.min_tau(4096)
+    pushy = [base.clone(), base.clone(), base + 1.8 * tau / math.sqrt(4096)]  # 1.8 tau from the median
+    moved = float(torch.linalg.vector_norm(policy.aggregate(pushy, [1.0] * 3, shape) - base))
+    assert 0 < moved <= tau / 2 * 1.001 < 1.8 * tau / 3
+
+
 def test_robust_mean_of_expert_copies():
     honest = [{"w": torch.ones(4, 4) + 0.01 * i, "b": torch.ones(4)} for i in range(3)]
     forged = {"w": -9 * torch.ones(4, 4), "b": -9 * torch.ones(4)}

@@ -78,10 +78,11 @@ def test_lying_or_broken_targets_do_not_inflate_the_estimate():
     asyncio.run(scenario())
 
 
-def test_a_slow_measured_uplink_reduces_a_small_part_and_sends_its_parts_8bit(swarm_factory, monkeypatch):
+def test_a_slow_measured_uplink_reduces_a_small_part_and_sends_its_parts_fp16(swarm_factory, monkeypatch):
     """What a peer does with a measured rate below sync.slow_uplink_mbit: hivemind gets the rate (its share of
-    each all-reduce to reduce shrinks to what the others' 100 leave it) and its parts go 8-bit; the all-reduce
-    still averages, within 8-bit precision, at the peers that send and expect full precision."""
+    each all-reduce to reduce shrinks to what the others' 100 leave it) and its parts go fp16; the all-reduce
+    still averages, within fp16 precision, at the peers that send and expect full precision, and the slow peer's
+    work is in the average (its 8-bit parts were 23-56x the honest spread away and dropped by every reducer)."""
     import torch
 
     from tests.conftest import local_training, round_all, shared_params
@@ -106,22 +107,24 @@ def test_a_slow_measured_uplink_reduces_a_small_part_and_sends_its_parts_8bit(sw
     reports = round_all(peers)
     assert all(r.group_size == 3 for r in reports), reports
     mean = {n: sum(b[n] for b in before) / 3 for n in before[0]}
+    without_slow = {n: (before[0][n] + before[1][n]) / 2 for n in before[0]}
     for peer in peers:
         for name, value in shared_params(peer).items():
-            assert torch.allclose(value, mean[name], atol=0.02), name  # 8-bit parts: 1/255 of each part's range
-    # The slow peer reduced nothing and sent its whole vector as inputs, 8-bit (fp16 below 1,032 values, where the
-    # 8-bit codebook costs more: most of this test model's tensors): under half its fp32 bytes (45 % here; a
-    # quarter on a real model), where the fast peers sent over a full copy each (inputs plus their part's results).
+            error = float((value - mean[name]).abs().max())
+            assert error < 1e-3, name  # fp16 rounds each value to 2^-11 of itself
+            assert error < 0.1 * float((without_slow[name] - mean[name]).abs().max()), name
+    # The slow peer reduced nothing and sent its whole vector as inputs, in fp16: half its fp32 bytes, where the
+    # fast peers sent over a full copy each (inputs plus their part's results).
     fp32 = slow.sync.shared.payload_bytes()
     slow_sent = slow.sync.shared.bytes_sent() - sent[2]
-    assert slow_sent < 0.5 * fp32, (slow_sent, fp32)
+    assert slow_sent <= 0.5 * fp32, (slow_sent, fp32)
     assert all(p.sync.shared.bytes_sent() - s > 0.9 * fp32 for p, s in zip(peers[:2], sent[:2]))
 
 
-def test_parts_keep_their_layout_when_a_slow_uplink_switches_to_8bit():
+def test_parts_keep_their_layout_when_a_slow_uplink_switches_codec():
     """hivemind cuts each sender's tensors into parts by its codec's estimated ratio, and a reducer combines the
-    senders' part i: a peer whose parts go 8-bit must still cut them like the others (it cut 4x larger ones
-    and stalled every all-reduce it joined)."""
+    senders' part i: a peer whose parts go fp16 must still cut them like the others (with 8-bit parts it cut 4x
+    larger ones and stalled every all-reduce it joined)."""
     import torch
     from hivemind.averaging.partition import TensorPartContainer
     from hivemind.compression import NoCompression
@@ -131,7 +134,7 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_to_8bit():
     tensors = [torch.randn(70_000), torch.randn(300, 200)]
     plain = CountingCompression(NoCompression(), WireCounter(), switchable=True)
     slow = CountingCompression(NoCompression(), WireCounter(), switchable=True)
-    slow.use_eight_bit(True)
+    slow.use_slow_codec(True)
 
     def layout(compression):
         container = TensorPartContainer(tensors, peer_fractions=(0.5, 0.5), compression=compression,
@@ -141,7 +144,7 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_to_8bit():
     assert layout(slow) == layout(plain) and len(layout(plain)[0]) > 2
     info = TensorPartContainer(tensors, peer_fractions=(0.5, 0.5), compression=slow, part_size_bytes=2**16)
     part, part_info = info._input_parts_by_peer[0][0]
-    assert len(slow.compress(part, part_info).buffer) < len(plain.compress(part, part_info).buffer) / 3
+    assert len(slow.compress(part, part_info).buffer) == len(plain.compress(part, part_info).buffer) / 2
 
 
 def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkeypatch):
