@@ -43,11 +43,15 @@ from sync.validate import RejectCounter
 logger = get_logger(__name__)
 
 MAX_CONCURRENT = 2  # changes being received at once (each up to one fp32 copy of the shared tensors)
-MAX_SENDERS = 4  # followers whose newest change a carrier holds until its next round
+MAX_SENDERS = 4  # followers whose changes a carrier holds until its next round
 # A change labelled more than this many rounds before the carrier's round is dropped. Changes are late by
 # design: a 5 Mbit/s uplink needed 10-30 s for one beside its expert copies, 2-6 of the public peers' rounds
 # (with 2, none of them arrived in time in a bench.wan `mixed` run). Its pull is bounded however old it is.
 MAX_AGE_ROUNDS = 8
+# How far the changes folded into one round may move a carrier's contribution, in units of its own distance from
+# the last average (sync/shared.py `fold_room`): with its own at about 1x that, the contribution stays under the
+# reducers' clip (2.5x the median distance) and far from their drop (5x).
+FOLD_ROOM = 1.5
 PARTS_PER_MESSAGE = 16
 _EIGHT_BIT = runtime_pb2.CompressionType.UNIFORM_8BIT
 
@@ -94,7 +98,8 @@ async def send_change(call: Callable[[AsyncIterator[runtime_pb2.ExpertRequest]],
 
 
 class CarryInbox:
-    """Carrier side: the followers' newest changes until this peer's next round takes them.
+    """Carrier side: the followers' changes until this peer's next round takes them (one per sender: a newer
+    change is merged with the one held, `merge_changes`).
 
     `shapes`: the shared tensors' shapes (set by the peer); `follows(peer_id)`: whether the sender's signed record
     says it follows (set by the peer; a peer that all-reduces itself must not be counted twice); `max_weight`:
@@ -139,9 +144,22 @@ class CarryInbox:
         with self._lock:
             if peer_id not in self._held and len(self._held) >= MAX_SENDERS:
                 return answer(error="busy")
-            self._held[peer_id] = change  # the newest change of a sender replaces its older one
+            held = self._held.get(peer_id)
+            # Replacing an older change of the sender by its newer one dropped the older one's work.
+            self._held[peer_id] = change if held is None else merge_changes(held, change)
             self.received += 1
         return answer(ok=True)
+
+    def put_back(self, rest: list[CarriedChange]) -> None:
+        """(Round start) what a fold left for the next round (sync/shared.py `fold_carried`): held again, added
+        to a newer change of the same sender if one arrived meanwhile."""
+        with self._lock:
+            for change in rest:
+                held = self._held.get(change.sender)
+                if held is not None:
+                    self._held[change.sender] = merge_changes(change, held)
+                elif len(self._held) < MAX_SENDERS:
+                    self._held[change.sender] = change
 
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], peer_id: str,
                        shapes: list[tuple[int, ...]], count: Callable[[int], None]) -> CarriedChange:
@@ -180,6 +198,18 @@ class CarryInbox:
         return fresh
 
 
+def merge_changes(older: CarriedChange, newer: CarriedChange) -> CarriedChange:
+    """Two changes of one sender as one, labelled with the newer round: both their tokens, and their
+    token-weighted mean, so each keeps its weight x change in the fold. (Their sum was tried: a rest of an
+    earlier change added to the next one lay 1.3x beyond the pull bound even for its tokens, and was refused.)"""
+    total = older.weight + newer.weight
+    if total <= 0:
+        return newer
+    a, b = older.weight / total, newer.weight / total
+    return CarriedChange(newer.sender, max(older.round_id, newer.round_id), total,
+                         [a * x + b * y for x, y in zip(older.tensors, newer.tensors)])
+
+
 def _parse_meta(raw: bytes) -> dict:
     try:
         meta = MSGPackSerializer.loads(raw) if 0 < len(raw) <= 256 else None
@@ -209,10 +239,10 @@ def _decode(groups: list[list[runtime_pb2.Tensor]], shapes: list[tuple[int, ...]
 
 @torch.no_grad()
 def fold_changes(snapshot: list[torch.Tensor], synced: list[torch.Tensor], weight: float,
-                 changes: list[CarriedChange], max_ratio: float,
-                 ) -> tuple[list[torch.Tensor] | None, float, list[tuple[str, float]]]:
+                 changes: list[CarriedChange], max_ratio: float, room: list[float] | None = None,
+                 ) -> tuple[list[torch.Tensor] | None, float, list[tuple[str, float]], list[CarriedChange]]:
     """The carrier's contribution with the followers' changes folded in (the module docstring's formula), its
-    weight, and the senders whose change was refused, each with its worst pull ÷ allowed.
+    weight, the senders whose change was refused, each with its worst pull ÷ allowed, and what is left for later.
 
     What a change does to the contribution is its pull, `share * (d_F - d_C)` per tensor; it is kept while that is
     at most `max_ratio` times the carrier's own change of the tensor (floored by the carrier's overall relative
@@ -220,30 +250,58 @@ def fold_changes(snapshot: list[torch.Tensor], synced: list[torch.Tensor], weigh
     follower moves its carrier's contribution no further than a result may move a peer, whatever its change;
     an honest change several rounds long, or from earlier in training, passes as long as its pull is in
     proportion. Shares are of the kept changes: refusing one raises the others' shares, so they are judged
-    again. (None, weight, refused) when no change is kept."""
+    again. (None, weight, refused, []) when no change is kept.
+
+    `room` (per tensor; `SharedAverager.fold_room`) bounds the kept changes' combined pull by how far this
+    carrier's contribution may move and still lie inside the reducers' honest spread: a change folded in whole
+    (its full tokens against one round of the carrier's) put the carrier's parts 6.6-6.8x the median distance
+    from the median in bench.wan `mixed`, and a reducer dropped them (sync/robust.py), the follower's work and
+    the carrier's own with them. Beyond the room, every kept change is folded with the same fraction of its
+    tokens, and each one's rest (the same tensors, the rest of its tokens) is returned to be held for the
+    carrier's next round (`CarryInbox.put_back`): the change arrives over several rounds, none of it lost. A
+    change of more tokens than the carrier trained this round (such a rest merged with the sender's next change)
+    spans that many rounds, and its bound above grows with them: an honest backlog measured 1.1-1.2x the
+    one-round bound in bench.wan `mixed` and was refused whole."""
     own = [s - r for s, r in zip(snapshot, synced)]
     own_norms = [float(torch.linalg.vector_norm(o)) for o in own]
     ref_norms = [float(torch.linalg.vector_norm(r)) for r in synced]
     rel = math.sqrt(sum(o * o for o in own_norms)) / max(math.sqrt(sum(r * r for r in ref_norms)), 1e-12)
     allowed = [max_ratio * max(o, rel * r, 1e-8) for o, r in zip(own_norms, ref_norms)]
     distance = [[float(torch.linalg.vector_norm(d - o)) for d, o in zip(c.tensors, own)] for c in changes]
+    spans = [max(1.0, c.weight / max(weight, 1.0)) for c in changes]  # rounds of the carrier's tokens in it
     kept, refused = list(range(len(changes))), []
+    if room is not None:
+        room = [min(r, a) for r, a in zip(room, allowed)]
     while kept:
         total = weight + sum(changes[i].weight for i in kept)
-        pulls = {i: max(changes[i].weight / total * x / a for x, a in zip(distance[i], allowed)) for i in kept}
+        pulls = {i: max(changes[i].weight / total * x / a for x, a in zip(distance[i], allowed)) / spans[i]
+                 for i in kept}
         bad = [i for i in kept if pulls[i] > 1.0]
         if not bad:
             break
         refused += [(changes[i].sender, pulls[i]) for i in bad]
         kept = [i for i in kept if i not in bad]
     if not kept:
-        return None, weight, refused
+        return None, weight, refused, []
+    fraction = 1.0
+    if room is not None:
+        # With fraction f of every kept change's tokens, tensor t moves by at most
+        # sum_i f w_i / (w_C + f W) * distance_it <= room_t * f P / (w_C + f W), P = sum_i w_i max_t distance_it / room_t.
+        kept_weight = sum(changes[i].weight for i in kept)
+        reach = sum(changes[i].weight * max(x / max(r, 1e-12) for x, r in zip(distance[i], room)) for i in kept)
+        if reach > kept_weight:
+            fraction = min(1.0, weight / (reach - kept_weight))
+    total = weight + fraction * sum(changes[i].weight for i in kept)
     contribution = [s.clone() for s in snapshot]
+    rest = []
     for i in kept:
-        share = changes[i].weight / total
+        share = fraction * changes[i].weight / total
         for out, d, o in zip(contribution, changes[i].tensors, own):
             out.add_(d - o, alpha=share)
-    return contribution, total, refused
+        if fraction < 1.0:
+            rest.append(CarriedChange(changes[i].sender, changes[i].round_id, (1.0 - fraction) * changes[i].weight,
+                                      changes[i].tensors))
+    return contribution, total, refused, rest
 
 
 class ChangeSender:

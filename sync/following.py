@@ -59,7 +59,14 @@ class Following:
         followers sent since the last round folded into the contribution."""
         if self.follower or not self.cfg.carry_changes:
             return tokens
-        return self.shared.fold_carried(self.exchange.carried.take(self.round_id), tokens)
+        weight, rest = self.shared.fold_carried(self.exchange.carried.take(self.round_id), tokens)
+        self.exchange.carried.put_back(rest)
+        return weight
+
+    def _return_carried(self, folded: list) -> None:
+        """Changes folded into an all-reduce that averaged with nobody: held again for the next round."""
+        logger.info(f"this round averaged with nobody: {len(folded)} carried change(s) wait for the next one")
+        self.exchange.carried.put_back(folded)
 
     def _follow_round(self, report: RoundReport, others_at_start: dict[str, PeerRecord], tokens: int) -> None:
         """A follower's network part: its shared change goes to one carrier (in the background: a slow uplink

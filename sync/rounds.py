@@ -357,9 +357,12 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
             self._download_state(self._others())
             report.redownloaded = True
         else:
+            folded = self.shared.take_folded()
             if report.group_size > 1:
                 report.rejected += self.shared.apply(tokens=pending.weight)
                 self._serve_result(report.round_id)
+            elif folded:  # carried changes that reached nobody: held for the next round (sync/following.py)
+                self._return_carried(folded)
             elif report.followed is not None and not self.shared.apply_followed(report.followed):
                 logger.warning("no peer served valid shared tensors this round: keeping the local ones")
             report.followed = None  # applied: do not keep a copy of the shared tensors alive in the report

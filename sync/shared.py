@@ -25,7 +25,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from model.model import SpesMoE
-from sync.carry import CarriedChange, fold_changes
+from sync.carry import FOLD_ROOM, CarriedChange, fold_changes
 from sync.delta import apply_rebased_, rebased
 from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wire_counting
 from sync.config import SyncConfig
@@ -180,6 +180,10 @@ class SharedAverager:
         # The last synchronized value of each tensor: a received result is judged by its change from the snapshot
         # against this peer's own change since then (check_result), as issue 9 asks.
         self.synced = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
+        # Per tensor, how far this peer's snapshot lay from the last all-reduce result it accepted: its share of
+        # the honest spread, which bounds how far folded changes may move its contribution (fold_room).
+        self.spread: list[float] | None = None
+        self.folded: list[CarriedChange] = []  # what fold_carried put into the pending all-reduce (take_folded)
         # DiLoCo's outer optimizer needs the params of the previous round (identical on every peer after a
         # successful round) and a momentum buffer.
         outer = cfg.outer if outer is None else outer
@@ -211,17 +215,37 @@ class SharedAverager:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
 
-    def fold_carried(self, changes: list[CarriedChange], weight: float) -> float:
+    def fold_room(self) -> list[float] | None:
+        """Per tensor, how far folded changes may move this peer's contribution: FOLD_ROOM x its distance from
+        the last result it accepted (floored by that distance's run-wide relative size, for tensors that were
+        equal everywhere). The reducers judge a contribution by its distance from the others' (sync/robust.py: a
+        pull beyond 2.5x the median distance is clipped, beyond 5x dropped); this peer's own lay at about 1x.
+        None before its first all-reduce: then only fold_changes' own bound applies."""
+        if self.spread is None or not any(x > 0 for x in self.spread):  # none yet, or peers that never differed
+            return None
+        ref = [float(torch.linalg.vector_norm(r)) for r in self.synced]
+        rel = math.sqrt(sum(x * x for x in self.spread)) / max(math.sqrt(sum(r * r for r in ref)), 1e-12)
+        return [FOLD_ROOM * max(x, rel * r, 1e-12) for x, r in zip(self.spread, ref)]
+
+    def fold_carried(self, changes: list[CarriedChange], weight: float) -> tuple[float, list[CarriedChange]]:
         """(Round start, after take_snapshot) fold followers' shared changes into what this peer contributes
         (sync/carry.py); its own snapshot, against which the result is applied, stays as it was. Returns the
         contribution's weight: this peer's tokens plus the kept changes', at most max_weight, the cap every reducer
         applies to any claim (a carrier and its followers share one peer's cap; claiming more would only be
-        counted as a `weight` refusal at every reducer)."""
+        counted as a `weight` refusal at every reducer); and what did not fit into this round (fold_room), for
+        the caller to hold for the next."""
+        self.folded = []
         if not changes:
-            return weight
+            return weight, []
         short = self.max_weight / max(weight, 1.0) if math.isfinite(self.max_weight) else 1.0
-        contribution, total, refused = fold_changes(self.snapshot, self.synced, weight, changes,
-                                                    self.cfg.max_delta_ratio * max(1.0, short))
+        contribution, total, refused, rest = fold_changes(self.snapshot, self.synced, weight, changes,
+                                                          self.cfg.max_delta_ratio * max(1.0, short),
+                                                          self.fold_room())
+        if contribution is not None:
+            refused_senders = {sender for sender, _ in refused}
+            left = {c.sender: c.weight for c in rest}
+            self.folded = [CarriedChange(c.sender, c.round_id, c.weight - left.get(c.sender, 0.0), c.tensors)
+                           for c in changes if c.sender not in refused_senders]
         for sender, ratio in refused:
             self._reject("delta")
             logger.warning(f"refused the carried shared change of follower {sender[-6:]}: its pull on this peer's "
@@ -230,9 +254,17 @@ class SharedAverager:
             with self.averager.get_tensors() as tensors:
                 for tensor, value in zip(tensors, contribution):
                     tensor.copy_(value)
+            later = (f"; {sum(c.weight for c in rest):g} tokens of them wait for the next round (beyond this "
+                     f"peer's room in the average)") if rest else ""
             logger.info(f"carrying {len(changes) - len(refused)} follower change(s) into this round's all-reduce "
-                        f"(weight {weight:g} + {total - weight:g} tokens)")
-        return min(total, self.max_weight)
+                        f"(weight {weight:g} + {total - weight:g} tokens{later})")
+        return min(total, self.max_weight), rest
+
+    def take_folded(self) -> list[CarriedChange]:
+        """(After a round) the changes folded into its all-reduce, once: the caller holds them again when that
+        all-reduce did not average with anyone (a carrier alone dropped them before)."""
+        folded, self.folded = self.folded, []
+        return folded
 
     def prepare(self, expected: int, start: float, timeout: float) -> bool:
         """Look for the next all-reduce's group now, before its round starts at DHT time `start` (sync.schedule,
@@ -400,6 +432,11 @@ class SharedAverager:
                     buf.mul_(mu).add_(pseudo_grad)
                     anchor.sub_(pseudo_grad.add(buf, alpha=mu), alpha=lr)
                 targets = self.anchor
+            spread = [float(torch.linalg.vector_norm(avg - snap)) for avg, snap in zip(result, self.snapshot)]
+            if self.spread is not None:  # a refused tensor (its result = its snapshot) keeps its last distance
+                spread = [x if ok else old for x, old, ok in zip(spread, self.spread, accepted)]
+            if any(accepted):
+                self.spread = spread
             for param, snap, target, synced in zip(self.params, self.snapshot, targets, self.synced):
                 apply_rebased_(param, target, snap)
                 synced.copy_(target)

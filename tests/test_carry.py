@@ -77,6 +77,24 @@ def test_a_followers_change_is_averaged_in_through_its_carrier(swarm_factory):
     assert carrier.sync.exchange.carried.take(carrier.sync.round_id) == []  # folded once, not again
 
 
+def test_a_carrier_that_averages_with_nobody_holds_the_change_for_its_next_round(swarm_factory):
+    """A change folded into an all-reduce that found no partner reached nobody: the carrier holds it again (it
+    dropped it before), with all its tokens, for its next round."""
+    a, b, home = _swarm_with_follower(swarm_factory)
+    for i, peer in enumerate((a, b, home)):
+        local_training(peer, seed=70 + i)
+    _round([a, b])
+    _round([home])
+    carrier = _change_arrived(home, (a, b))
+    other = b if carrier is a else a
+    other.sync.shutdown()  # gone: the carrier's next round averages with nobody
+    local_training(carrier, seed=73)
+    (report,) = _round([carrier])
+    assert report.group_size == 1
+    (held,) = carrier.sync.exchange.carried.take(carrier.sync.round_id)
+    assert held.sender == home.swarm.peer_id and abs(held.weight - 100) < 1e-6, held.weight
+
+
 def test_an_out_of_proportion_change_is_refused_and_the_round_goes_on(swarm_factory):
     """A follower's change 1000x an honest one is refused by its carrier (counted as `delta`): the round's average
     is the public peers' own."""
@@ -173,16 +191,60 @@ def test_fold_weighs_by_tokens_and_bounds_each_changes_pull():
     snapshot = [s + o for s, o in zip(synced, own)]
     follower = [torch.full((4, 4), -0.2), torch.full((8,), 0.3)]
     change = CarriedChange("f", 5, weight=50.0, tensors=follower)
-    contribution, total, refused = fold_changes(snapshot, synced, 150.0, [change], max_ratio=4.0)
-    assert total == 200.0 and refused == []
+    contribution, total, refused, rest = fold_changes(snapshot, synced, 150.0, [change], max_ratio=4.0)
+    assert total == 200.0 and refused == [] and rest == []
     for c, s, o, f in zip(contribution, synced, own, follower):
         assert torch.allclose(c, s + (150 * o + 50 * f) / 200)
     big = [20.0 * o for o in own]  # pull 0.5 x 19 = 9.5x the carrier's own change at equal weights
     assert fold_changes(snapshot, synced, 150.0, [CarriedChange("f", 5, 150.0, big)], 4.0)[2][0][0] == "f"
     assert fold_changes(snapshot, synced, 150.0, [CarriedChange("f", 5, 10.0, big)], 4.0)[2] == []  # 1.2x
     # Two followers: the hostile one is refused, the honest one still folded in at its share of what is left.
-    contribution, total, refused = fold_changes(
+    contribution, total, refused, _ = fold_changes(
         snapshot, synced, 150.0, [CarriedChange("h", 5, 150.0, big), CarriedChange("f", 5, 50.0, follower)], 4.0)
     assert [r[0] for r in refused] == ["h"] and total == 200.0
     for c, s, o, f in zip(contribution, synced, own, follower):
         assert torch.allclose(c, s + (150 * o + 50 * f) / 200)
+
+
+def test_a_change_beyond_the_carriers_room_arrives_over_several_rounds():
+    """A change folded in whole put its carrier's parts 6.6-6.8x the median distance away in bench.wan, and a
+    reducer dropped them. With a room (the carrier's distance from the last average x FOLD_ROOM) only a fraction
+    of its tokens is folded, so each tensor moves by at most the room; the rest (same tensors, the rest of the
+    tokens) is held again for the next round, merged with a newer change of the same sender, and nothing is lost."""
+    from sync.carry import CarriedChange, CarryInbox, fold_changes
+    from sync.validate import RejectCounter
+
+    synced = [torch.zeros(4, 4), torch.ones(8)]
+    own = [torch.full((4, 4), 0.1), torch.full((8,), 0.1)]
+    snapshot = [s + o for s, o in zip(synced, own)]
+    follower = [torch.full((4, 4), 0.7), torch.full((8,), -0.5)]  # 3 rounds' worth, far from the carrier's own
+    room = [0.5, 0.5]
+    change = CarriedChange("f", 5, weight=150.0, tensors=follower)
+    contribution, total, refused, rest = fold_changes(snapshot, synced, 150.0, [change], 4.0, room)
+    assert refused == [] and len(rest) == 1
+    folded = total - 150.0
+    assert 0 < folded < 150.0 and abs(rest[0].weight - (150.0 - folded)) < 1e-6  # the tokens add up
+    assert rest[0].tensors is follower and rest[0].sender == "f" and rest[0].round_id == 5
+    for c, s_, r in zip(contribution, snapshot, room):
+        assert float(torch.linalg.vector_norm(c - s_)) <= r * 1.0001
+    for c, s, o, f in zip(contribution, synced, own, follower):  # still the weighted mean, of fewer tokens
+        assert torch.allclose(c, s + (150 * o + folded * f) / total)
+    # A change out of all proportion is still refused whole, room or not.
+    huge = [1000.0 * f for f in follower]
+    assert fold_changes(snapshot, synced, 150.0, [CarriedChange("h", 5, 150.0, huge)], 4.0, room)[2][0][0] == "h"
+    # The rest with the sender's next change spans more rounds of tokens than one: its bound grows with them.
+    backlog = CarriedChange("f", 6, 300.0, [1.5 * f for f in follower])
+    assert fold_changes(snapshot, synced, 150.0, [backlog], 4.0, room)[2] == []
+    assert fold_changes(snapshot, synced, 150.0, [CarriedChange("f", 6, 150.0, backlog.tensors)], 4.0, room)[2]
+    # Without a room (no average yet) or with room to spare, the whole change goes in at once.
+    assert fold_changes(snapshot, synced, 150.0, [change], 4.0)[3] == []
+    assert fold_changes(snapshot, synced, 150.0, [change], 4.0, [100.0, 100.0])[3] == []
+
+    inbox = CarryInbox(RejectCounter())
+    newer = CarriedChange("f", 7, 100.0, [torch.ones(4, 4), torch.ones(8)])
+    inbox._held["f"] = newer  # arrived while the round ran
+    inbox.put_back(rest)
+    (held,) = inbox.take(8)
+    assert held.round_id == 7 and abs(held.weight - (rest[0].weight + 100.0)) < 1e-6
+    mean = (rest[0].weight * follower[0] + 100.0 * 1.0) / held.weight  # each keeps its tokens x change
+    assert torch.allclose(held.tensors[0], mean)
