@@ -49,7 +49,7 @@ MAX_SENDERS = 4  # followers whose changes a carrier holds until its next round
 # (with 2, none of them arrived in time in a bench.wan `mixed` run). Its pull is bounded however old it is.
 MAX_AGE_ROUNDS = 8
 # How far the changes folded into one round may move a carrier's contribution, in units of its own distance from
-# the last average (sync/shared.py `fold_room`): with its own at about 1x that, the contribution stays under the
+# the last average (`fold_room`): with its own at about 1x that, the contribution stays under the
 # reducers' clip (2.5x the median distance) and far from their drop (5x).
 FOLD_ROOM = 1.5
 PARTS_PER_MESSAGE = 16
@@ -237,6 +237,20 @@ def _decode(groups: list[list[runtime_pb2.Tensor]], shapes: list[tuple[int, ...]
     return tensors
 
 
+def fold_room(spread: list[float] | None, synced: list[torch.Tensor]) -> list[float] | None:
+    """Per tensor, how far folded changes may move a carrier's contribution: FOLD_ROOM x its distance from the
+    last result it accepted (`spread`; floored by that distance's run-wide relative size, for tensors that were
+    equal everywhere). The reducers judge a contribution by its distance from the others' (sync/robust.py: a
+    pull beyond 2.5x the median distance is clipped, beyond 5x dropped); the carrier's own lay at about 1x.
+    None before its first all-reduce, or when that one's peers never differed: then only fold_changes' own
+    bound applies."""
+    if spread is None or not any(x > 0 for x in spread):
+        return None
+    ref = [float(torch.linalg.vector_norm(r)) for r in synced]
+    rel = math.sqrt(sum(x * x for x in spread)) / max(math.sqrt(sum(r * r for r in ref)), 1e-12)
+    return [FOLD_ROOM * max(x, rel * r, 1e-12) for x, r in zip(spread, ref)]
+
+
 @torch.no_grad()
 def fold_changes(snapshot: list[torch.Tensor], synced: list[torch.Tensor], weight: float,
                  changes: list[CarriedChange], max_ratio: float, room: list[float] | None = None,
@@ -252,7 +266,7 @@ def fold_changes(snapshot: list[torch.Tensor], synced: list[torch.Tensor], weigh
     proportion. Shares are of the kept changes: refusing one raises the others' shares, so they are judged
     again. (None, weight, refused, []) when no change is kept.
 
-    `room` (per tensor; `SharedAverager.fold_room`) bounds the kept changes' combined pull by how far this
+    `room` (per tensor; `fold_room`) bounds the kept changes' combined pull by how far this
     carrier's contribution may move and still lie inside the reducers' honest spread: a change folded in whole
     (its full tokens against one round of the carrier's) put the carrier's parts 6.6-6.8x the median distance
     from the median in bench.wan `mixed`, and a reducer dropped them (sync/robust.py), the follower's work and

@@ -25,7 +25,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from model.model import SpesMoE
-from sync.carry import FOLD_ROOM, CarriedChange, fold_changes
+from sync.carry import CarriedChange, fold_changes, fold_room
 from sync.delta import apply_rebased_, rebased
 from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wire_counting
 from sync.config import SyncConfig
@@ -181,7 +181,7 @@ class SharedAverager:
         # against this peer's own change since then (check_result), as issue 9 asks.
         self.synced = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
         # Per tensor, how far this peer's snapshot lay from the last all-reduce result it accepted: its share of
-        # the honest spread, which bounds how far folded changes may move its contribution (fold_room).
+        # the honest spread, which bounds how far folded changes may move its contribution (carry.fold_room).
         self.spread: list[float] | None = None
         self.folded: list[CarriedChange] = []  # what fold_carried put into the pending all-reduce (take_folded)
         # DiLoCo's outer optimizer needs the params of the previous round (identical on every peer after a
@@ -215,18 +215,6 @@ class SharedAverager:
             for tensor, snap in zip(tensors, self.snapshot):
                 tensor.copy_(snap)
 
-    def fold_room(self) -> list[float] | None:
-        """Per tensor, how far folded changes may move this peer's contribution: FOLD_ROOM x its distance from
-        the last result it accepted (floored by that distance's run-wide relative size, for tensors that were
-        equal everywhere). The reducers judge a contribution by its distance from the others' (sync/robust.py: a
-        pull beyond 2.5x the median distance is clipped, beyond 5x dropped); this peer's own lay at about 1x.
-        None before its first all-reduce: then only fold_changes' own bound applies."""
-        if self.spread is None or not any(x > 0 for x in self.spread):  # none yet, or peers that never differed
-            return None
-        ref = [float(torch.linalg.vector_norm(r)) for r in self.synced]
-        rel = math.sqrt(sum(x * x for x in self.spread)) / max(math.sqrt(sum(r * r for r in ref)), 1e-12)
-        return [FOLD_ROOM * max(x, rel * r, 1e-12) for x, r in zip(self.spread, ref)]
-
     def fold_carried(self, changes: list[CarriedChange], weight: float) -> tuple[float, list[CarriedChange]]:
         """(Round start, after take_snapshot) fold followers' shared changes into what this peer contributes
         (sync/carry.py); its own snapshot, against which the result is applied, stays as it was. Returns the
@@ -240,7 +228,7 @@ class SharedAverager:
         short = self.max_weight / max(weight, 1.0) if math.isfinite(self.max_weight) else 1.0
         contribution, total, refused, rest = fold_changes(self.snapshot, self.synced, weight, changes,
                                                           self.cfg.max_delta_ratio * max(1.0, short),
-                                                          self.fold_room())
+                                                          fold_room(self.spread, self.synced))
         if contribution is not None:
             refused_senders = {sender for sender, _ in refused}
             left = {c.sender: c.weight for c in rest}
