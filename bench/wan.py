@@ -12,14 +12,14 @@ and `--steps` local steps. Arms:
 - `spes`: 4 public peers, each link 100 Mbit/s both ways; each peer owns a quarter of the experts
   (0-1, 2-3, 4-5, 6-7 of 8); `sync.overlap=false`, so a round's wall time is all on the clock.
 - `diloco`: the same links, every peer owns every expert (`--experts all`); `sync.overlap=false`.
-- `mixed`: 3 public 100 Mbit/s peers + 1 home peer behind the NAT at 20 Mbit/s down / 5 Mbit/s up with
+- `mixed`: 3 public 100 Mbit/s peers + 1 home peer behind the NAT at 20 Mbit/s down / 5 Mbit/s up (`--home-up-mbit`) with
   `--use-auto-relay`; SPES, `sync.overlap=false`. With the defaults the home peer measures its uplink twice and
-  then follows (`sync.follow_below_mbit`, 10); `--set sync.follow_below_mbit=0` keeps it in the all-reduce.
+  then follows (`sync.follow_below_mbit`, 20); `--set sync.follow_below_mbit=0` keeps it in the all-reduce.
 - `spes_overlap`: as `spes` with the default `sync.overlap=true` (rounds run behind training), for blocked share.
 - `mixed_client`: as `mixed` with the home peer in `--client-mode` instead of `--use-auto-relay`.
 - `mixed_bw`: as `mixed`, the home peer telling its uplink (`--set network.upload_mbit=5`): no probe, it follows
   from its first round (below the default `sync.follow_below_mbit`).
-- `mixed_follow`: as `mixed_bw` with `sync.follow_below_mbit=10` set explicitly (the default since issue 13
+- `mixed_follow`: as `mixed_bw` with `sync.follow_below_mbit=10` set explicitly (the default in issue 13
   session 12; kept for older builds).
 - `slow`: as `spes_overlap`, with p3 limited to `SLOW_CORES` CPU cores by a cgroup (tests/swarmlab.py
   `CpuQuota`): a 3-4x slower machine. It is stopped when the fast peers finish; "steps" shows how far it got.
@@ -146,8 +146,9 @@ def _timing(text: Optional[str]) -> dict[str, float]:
 
 def _label(r: dict[str, Any]) -> str:
     """An arm's row label: its name, a public link rate other than the default, its extra settings."""
-    rate = r.get("public_mbit", PUBLIC_MBIT)
-    return " ".join([r["arm"], *([f"@{rate:g}Mbit"] if rate != PUBLIC_MBIT else []), *r.get("sets", [])])
+    rate, home = r.get("public_mbit", PUBLIC_MBIT), r.get("home_up_mbit", HOME_UP_MBIT)
+    return " ".join([r["arm"], *([f"@{rate:g}Mbit"] if rate != PUBLIC_MBIT else []),
+                     *([f"home↑{home:g}Mbit"] if home != HOME_UP_MBIT and r.get("home") else []), *r.get("sets", [])])
 
 
 def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
@@ -284,7 +285,7 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float,
 
 def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
             extra_sets: Optional[list[str]] = None, slow_cores: float = SLOW_CORES,
-            public_mbit: float = PUBLIC_MBIT) -> dict[str, Any]:
+            public_mbit: float = PUBLIC_MBIT, home_up_mbit: float = HOME_UP_MBIT) -> dict[str, Any]:
     """One arm in a fresh NetLab; returns its per-peer results (everything is torn down afterwards)."""
     from tests.netlab import NetLab
 
@@ -299,8 +300,8 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
             name = f"p{i}"
             if spec["home"] and i == 3:
                 name = "home"
-                lab.add_home(name, up_mbit=HOME_UP_MBIT, down_mbit=HOME_DOWN_MBIT)
-                links[name] = (HOME_UP_MBIT, HOME_DOWN_MBIT)
+                lab.add_home(name, up_mbit=home_up_mbit, down_mbit=HOME_DOWN_MBIT)
+                links[name] = (home_up_mbit, HOME_DOWN_MBIT)
             else:
                 lab.add_public(name, up_mbit=public_mbit)
                 links[name] = (public_mbit, public_mbit)
@@ -359,6 +360,7 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
     if spec.get("slow_cores"):
         spec = {**spec, "slow_cores": slow_cores}
     return {"arm": arm, **spec, "steps": steps, "every": every, "sets": extra_sets or [], "public_mbit": public_mbit,
+            "home_up_mbit": home_up_mbit,
             "seconds": time.monotonic() - t0, "peers": peers}
 
 
@@ -416,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--public-mbit", type=float, default=PUBLIC_MBIT,
                    help="public peers' link rate (symmetric): a slower link shows how much of a round's overhead "
                         "over link time is the link and how much the CPUs (4 peers share this machine's cores)")
+    p.add_argument("--home-up-mbit", type=float, default=HOME_UP_MBIT,
+                   help="the home peer's uplink in the mixed arms (its downlink stays 20; mixed_bw and mixed_follow "
+                        "still declare 5)")
     p.add_argument("--raw-link", action="store_true",
                    help="only measure libp2p streams through the same links (no hivemind averaging, no SPES)")
     p.add_argument("--tables-only", action="store_true", help="re-print the tables of --out/results.json")
@@ -453,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     for arm in arms:
         logger.info(f"arm {arm}: starting")
         results.append(run_arm(arm, args.steps, args.every, args.arm_timeout, work, args.sets, args.slow_cores,
-                               args.public_mbit))
+                               args.public_mbit, args.home_up_mbit))
         logger.info(f"arm {arm}: done in {results[-1]['seconds']:.0f}s")
         (out / "results.json").write_text(json.dumps({"shape": SHAPE, "arms": results}, indent=1))
     text = tables(results)

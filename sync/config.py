@@ -50,9 +50,12 @@ class SyncConfig:
     # Mbit/s does not join the shared all-reduce: every round it downloads the last all-reduce result (bf16) and
     # sends its own shared change to a peer that folds it in (carry_changes), and serves its experts as usual.
     # Its uplink would otherwise make every all-reduce it joins as slow as itself, and a DHT reply of it wait
-    # behind its uploads (bench.wan `mixed`: public rounds 3.5-4.5 s with it following, 9-12 s without). 0 = every
-    # peer all-reduces.
-    follow_below_mbit: float = 10.0
+    # behind its uploads (bench.wan `mixed`: public rounds 3.5-4.5 s with it following, 9-12 s without). 20, the
+    # same as slow_uplink_mbit, since a slow peer's all-reduce parts go fp16 instead of 8-bit (its 8-bit parameters
+    # were dropped by every reducer): a 15 Mbit/s home peer in the groups made the public rounds 12.3 s (median),
+    # following 5.9 s, with its changes all carried in (bench/README.md, issue 13 session 13). 0 = every peer
+    # all-reduces.
+    follow_below_mbit: float = 20.0
     # A follower sends its own shared change each round (8-bit, rounding error kept for the next one) to one peer
     # that all-reduces, which folds it into its contribution (sync/carry.py): the follower's tokens count in the
     # shared average instead of being dropped. False: a follower's shared changes are not averaged in.

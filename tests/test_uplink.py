@@ -149,7 +149,7 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_codec():
 
 def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkeypatch):
     """A 5 Mbit/s uplink, measured twice (nobody declared it), makes the peer a follower (sync.follow_below_mbit,
-    10 by default): its record says so, and the others' next round neither waits for it nor counts it."""
+    20 by default): its record says so, and the others' next round neither waits for it nor counts it."""
     import sync.uplink
 
     monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
