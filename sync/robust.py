@@ -5,7 +5,8 @@ Shape suffixes: N = contributions (peers or copies), P = flattened elements of o
 `centered_clip` is CenteredClip from BTARD (Gorbunov et al., "Secure Distributed Training at Scale", ICML 2022):
 v <- v + sum_i w_i * min(1, tau / ||x_i - v||) * (x_i - v) / sum_i w_i, started at the coordinate-wise median,
 with tau = clip_factor * median_i ||x_i - median||, so tau follows the honest spread and needs no tuning to the
-scale of the tensors. A contribution then moves the result by at most w_i / sum(w) * tau; one further than 2 tau
+scale of the tensors. A contribution then moves the result by about w_i / (the others' weight) * tau at most (at
+the fixed point the others' unclipped pull balances its clipped one: tau / 2 with three equal rows); one further than 2 tau
 from the median (5x the median distance) is dropped altogether, as long as two others remain. When every
 contribution lies within tau of the plain weighted mean, that mean is a fixed point and is returned exactly:
 with nobody attacking, robust aggregation *is* plain averaging. tau has a floor from the spread of the parts a

@@ -35,7 +35,10 @@ def test_three_peer_processes_through_hivemind_dht(tmp_path, processes):
             peer_cmd("--config", "configs/tiny.yaml", "--initial-peers", maddr,
                      "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-dir", str(run_dir), "--run-id", "e2e",
                      "--max-steps", "40", "--sync-every", "10", "--set", "sync.matchmaking_time=2",
-                     "--set", "sync.round_timeout=30", "--set", "train.eval_every=0")))
+                     "--set", "sync.round_timeout=30", "--set", "train.eval_every=0",
+                     # A 40-step tiny run trains in about a second: in a CI simulation the three processes' starts
+                     # (data loading on 2 shared cores) did not overlap their runs, and each averaged alone.
+                     "--set", "sync.wait_for_peers=3")))
     outputs = [p.communicate(timeout=400) for p in peers]
     for p, (_, err) in zip(peers, outputs):
         assert p.returncode == 0, err[-3000:]
