@@ -55,12 +55,20 @@ logger = get_logger(__name__)
 
 RUN_ID = "wan"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-# configs/tiny.yaml raised until a SPES round moves ≈ 20-30 MB per peer (≈ 2 s at 100 Mbit/s); still cheap steps.
-SHAPE = {"model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 2, "model.num_experts": 8,
-         "model.expert_hidden": 512, "model.seq_len": 64, "train.batch_size": 2}
+# `bench`: configs/tiny.yaml raised until a SPES round moves ≈ 20-30 MB per peer (≈ 2-3 s at 100 Mbit/s); still
+# cheap steps, but a round's fixed costs (matchmaking, publish, apply, the wait for the last step) weigh more.
+# `issue`: the 24 M-parameter shape issue 13 measured its 1.7x round time on (4 layers, 16 experts top-2, expert
+# hidden 384): ≈ 60 MB per peer per round.
+SHAPES: dict[str, dict[str, int]] = {
+    "bench": {"model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 2, "model.num_experts": 8,
+              "model.expert_hidden": 512, "model.seq_len": 64, "train.batch_size": 2},
+    "issue": {"model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 4, "model.num_experts": 16,
+              "model.expert_hidden": 384, "model.seq_len": 64, "train.batch_size": 2},
+}
+SHAPE = dict(SHAPES["bench"])
 PUBLIC_MBIT = 100.0
 HOME_DOWN_MBIT, HOME_UP_MBIT = 20.0, 5.0
-QUARTERS = ["0-1", "2-3", "4-5", "6-7"]
+QUARTERS = "quarters"  # each peer owns its own quarter of the experts (see _experts_of)
 # CPU cores (a cgroup quota) of the `slow` arm's p3, with its DHT/averager/p2pd; the others share 2 cores, about
 # 0.45 each (0.13 made it 6x slower; the table reports the measured ratio of steps).
 SLOW_CORES = 0.25
@@ -116,6 +124,14 @@ class CpuSampler(threading.Thread):
         """Mean busy share of the samples that fall in [t0, t1] (None when none do)."""
         inside = [b for t, b in self.samples if t0 <= t <= t1]
         return sum(inside) / len(inside) if inside else None
+
+
+def _experts_of(spec: Any, num_experts: int) -> list[str]:
+    """`--experts` of the 4 peers: a list as given, or each peer its own quarter of `num_experts`."""
+    if spec != QUARTERS:
+        return list(spec)
+    q = num_experts // 4
+    return [f"{i * q}-{(i + 1) * q - 1}" for i in range(4)]
 
 
 def _metric_rounds(metrics_path: Path) -> dict[int, dict[str, int]]:
@@ -316,7 +332,7 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
         procs = {}
         quota = None
         env = {**os.environ, **THREADS}
-        for (name, _), experts in zip(links.items(), spec["experts"]):
+        for (name, _), experts in zip(links.items(), _experts_of(spec["experts"], SHAPE["model.num_experts"])):
             ip = lab.nodes[name].ip
             argv = ["-m", "peer.run", "--config", "configs/tiny.yaml", "--run-id", RUN_ID,
                     "--run-dir", str(lab.workdir / f"run-{name}"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
@@ -421,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home-up-mbit", type=float, default=HOME_UP_MBIT,
                    help="the home peer's uplink in the mixed arms (its downlink stays 20; mixed_bw and mixed_follow "
                         "still declare 5)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                   help="model shape: bench (≈ 37 MB per peer per round) or issue (issue 13's 24 M-param shape)")
     p.add_argument("--raw-link", action="store_true",
                    help="only measure libp2p streams through the same links (no hivemind averaging, no SPES)")
     p.add_argument("--tables-only", action="store_true", help="re-print the tables of --out/results.json")
@@ -428,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default="bench/out/wan", help="arm logs and run dirs")
     args = p.parse_args(argv)
     setup_logging()
+    SHAPE.clear()
+    SHAPE.update(SHAPES[args.shape])
     out, work = Path(args.out), Path(args.work_dir).resolve()
     if args.tables_only:
         text = tables(json.loads((out / "results.json").read_text())["arms"])
