@@ -176,6 +176,7 @@ def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
         for rd in p["rounds"]:
             by_round.setdefault(rd["round"], []).append(rd)
     all_ratios, last_ratios, last_group, skews, reduce_ratios, copy_ratios = [], [], [], [], [], []
+    both_ratios = []  # all-reduce + expert phase ÷ the round's link time (the phases overlap in some builds)
     busy, use_reduce, use_copies = [], [], []
     for rid, rds in sorted(by_round.items()):
         if rid < 2 or len(rds) < 4 or any(rd["group"] < 4 or rd["ratio"] is None or "group" not in rd.get("timing", {})
@@ -195,12 +196,15 @@ def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
                 reduce_ratios.append(rd["timing"]["all-reduce"] / ideal["shared"])
             if ideal.get("expert") and "experts" in rd["timing"]:
                 copy_ratios.append(rd["timing"]["experts"] / ideal["expert"])
+            if rd.get("ideal_s") and "all-reduce" in rd["timing"] and "experts" in rd["timing"]:
+                both_ratios.append((rd["timing"]["all-reduce"] + rd["timing"]["experts"]) / rd["ideal_s"])
     if not last_ratios:
         return None
     med = statistics.median
     return [_label(r), len(last_ratios), f"{med(all_ratios):.2f}",
             f"{med(last_ratios):.2f}", f"{med(last_group):.2f}", f"{med(skews):.2f}",
             f"{med(reduce_ratios):.2f}" if reduce_ratios else "-", f"{med(copy_ratios):.2f}" if copy_ratios else "-",
+            f"{med(both_ratios):.2f}" if both_ratios else "-",
             f"{100 * med(busy):.0f}" if busy else "-",
             f"{100 * med(use_reduce):.0f}" if use_reduce else "-", f"{100 * med(use_copies):.0f}" if use_copies else "-"]
 
@@ -411,7 +415,7 @@ def tables(results: list[dict[str, Any]]) -> str:
     arms = [row for row in (_arm_summary(r) for r in results) if row]
     ahead = ["arm", "rounds (2+, all 4 in one group)", "median ratio, all peers", "median ratio, last arrival",
              "last arrival's group wait s", "others' wait for it s", "all-reduce phase ÷ its bytes' link time",
-             "expert phase ÷ its bytes' link time", "CPU busy during rounds %",
+             "expert phase ÷ its bytes' link time", "both phases ÷ the round's link time", "CPU busy during rounds %",
              "link use in all-reduce %", "link use in expert phase %"]
     r0 = results[0] if results else {"steps": "?", "every": "?"}
     shape = ", ".join(f"{k.split('.')[1]} {v}" for k, v in SHAPE.items())

@@ -17,7 +17,9 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import random
+import threading
 import time
+from typing import Callable
 
 import torch
 from hivemind.p2p import PeerID
@@ -51,6 +53,24 @@ class _Fetch:
 
     def elapsed(self) -> float:
         return (self.finished if self.finished is not None else time.monotonic()) - self.started
+
+
+def _resolve(future: concurrent.futures.Future, fn: Callable[[], object]) -> None:
+    """Run `fn` (in its own thread) into `future`."""
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # handed to whoever waits for the future
+        future.set_exception(e)
+
+
+class CopiesDuring:
+    """A round's expert copies asked once its all-reduce group formed (sync.copies_during_allreduce): the owners
+    asked, the copies checked so far, and the records read started alongside (a future of `swarm.peers()`)."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, list[str]] = {}
+        self.received: dict[int, list[tuple[int, Snapshot]]] = {}
+        self.records: concurrent.futures.Future | None = None
 
 
 class ExpertFetching:
@@ -146,9 +166,27 @@ class ExpertFetching:
                      rel_change: float | None = None) -> dict[int, Snapshot]:
         """Fetch and aggregate now (blocking, joining or behind): the owners' copies of each wanted expert that
         other peers own, validated; an expert whose every remote copy is missing or refused is left out."""
+        # A download (joining, or behind) may be tried again within one round: every owner is asked anew.
+        self._asked = {key: r for key, r in self._asked.items() if r != self.round_id}
         owners = self._start_fetches(others, want)
         longest = max((f.timeout for key, f in self._inflight.items() if key[0] in owners), default=0.0)
         return self._collect_means(owners, own_snapshots, rel_change, deadline=time.monotonic() + longest + 5)
+
+    def _copies_while_reducing(self, others: dict[str, PeerRecord], want: set[int], own: dict[int, Snapshot],
+                               rel_change: float | None, during: CopiesDuring) -> Callable[[bool], None]:
+        """SharedAverager.all_reduce's `on_grouped`: once the group formed, ask for the copies and start the
+        records read in the background; then, every poll, check the copies that arrived. With both transfers on
+        the link at once the bytes go through at ≈ 1.2x link time, but checking the copies and reading the
+        records after the all-reduce left every link idle for 0.5-1.9 s more (bench/README.md, issue 13
+        session 14)."""
+        def on_grouped(first: bool) -> None:
+            if first:
+                during.owners = self._start_fetches(others, want)
+                during.records = concurrent.futures.Future()
+                threading.Thread(target=_resolve, args=(during.records, self.swarm.peers), daemon=True,
+                                 name="spes-records-read").start()
+            self._check_arrived(during.owners, own, rel_change, during.received)
+        return on_grouped
 
     def _start_fetches(self, others: dict[str, PeerRecord], want: set[int]) -> dict[int, list[str]]:
         """Ask every live owner of each wanted expert for its copy of this round (one stream per owner and
@@ -164,6 +202,8 @@ class ExpertFetching:
                     continue
                 owners.setdefault(expert, []).append(record.peer_id)
                 key = (expert, record.peer_id)
+                if self._asked.get(key) == self.round_id:
+                    continue  # asked already this round (its copy may have arrived and been checked: not twice)
                 if key in self._inflight:
                     if self._inflight[key].round_id < self.round_id:
                         self._inflight[key].late = True  # from an earlier round: used if done, not waited for
@@ -175,7 +215,7 @@ class ExpertFetching:
                                                    bf16=self._stored_in_bf16(expert))
                 fetch = _Fetch(future, timeout, time.monotonic(), self.round_id)
                 future.add_done_callback(lambda f, fetch=fetch: fetch.done_at())
-                self._inflight[key] = fetch
+                self._inflight[key], self._asked[key] = fetch, self.round_id
         return owners
 
     def _stored_in_bf16(self, expert: int) -> bool:
@@ -186,13 +226,15 @@ class ExpertFetching:
         return bool(tensors) and all(t.dtype == torch.bfloat16 for t in tensors.values())
 
     def _collect_means(self, owners: dict[int, list[str]], own_snapshots: dict[int, Snapshot],
-                       rel_change: float | None, deadline: float) -> dict[int, Snapshot]:
+                       rel_change: float | None, deadline: float,
+                       checked: dict[int, list[tuple[int, Snapshot]]] | None = None) -> dict[int, Snapshot]:
         """Wait until `deadline` for the fetches of `owners`, then aggregate every finished copy (late ones of
         earlier rounds included) per expert; fetches still running stay in flight for a later round.
 
         `rel_change` (this peer's own relative change this round; None when joining, where there is no
         synchronized value to compare with): a copy whose change from the last synchronized value exceeds
-        sync.max_delta_ratio x that (x rounds since the expert last synchronized) is refused as "delta"."""
+        sync.max_delta_ratio x that (x rounds since the expert last synchronized) is refused as "delta".
+        `checked`: copies already checked during the all-reduce (CopiesDuring.received), of experts still wanted."""
         # An owner whose last copy took longer than this round has left is not waited for at all (its fetch runs
         # on and is used when it arrives): a 5 Mbit/s uplink otherwise cost every fast peer the whole deadline in
         # every round that asked it anew. Its next quick copy makes it waited for again.
@@ -200,7 +242,7 @@ class ExpertFetching:
         seconds = self._owner_seconds
         waiting = [self._inflight[(e, p)].future for e, peers in owners.items() for p in peers
                    if (e, p) in self._inflight and not self._inflight[(e, p)].late and seconds.get(p, 0.0) <= left]
-        received: dict[int, list[tuple[int, Snapshot]]] = {}
+        received = {e: copies for e, copies in (checked or {}).items() if e in owners}
         # Each copy is checked as soon as it arrives, while the others still stream in: checking them all after
         # the last one arrived added 0.1-0.3 s to every round on 2 shared cores.
         while True:

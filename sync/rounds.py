@@ -43,7 +43,7 @@ from sync.applying import Applying
 from sync.between import SharedRounds
 from sync.durable import Durable
 from sync.replicas import Replicas
-from sync.fetch import ExpertFetching, Snapshot
+from sync.fetch import CopiesDuring, ExpertFetching, Snapshot
 from sync.following import Following
 from sync.leave import LeaveHandoff
 from sync.merge import merge_alpha, merge_due
@@ -110,6 +110,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         self._expert_synced: dict[int, Snapshot] = {}
         self._stale: dict[int, int] = {}
         self._strikes: dict[str, int] = {}
+        self._asked: dict = {}  # (expert, owner) -> the round it was last asked for (sync/fetch.py): once a round
         self._inflight: dict = {}  # (expert, owner) -> its running fetch (sync/fetch.py): asked once, used when it arrives
         self._owner_seconds: dict[str, float] = {}  # how long each owner's last copy took to arrive (sync/fetch.py)
         self._retry_at: dict[str, int] = {}  # round from which a struck owner is asked again
@@ -266,7 +267,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         rejected_before = self.rejects.total()
         if not average or self.follower:
             self.shared.cancel_ahead()  # a group formed ahead (sync.schedule) that this round will not join
-        net_started = time.perf_counter()
+        net_started, during = time.perf_counter(), CopiesDuring()
         # The all-reduce runs first, on a link that carries nothing else, and the expert copies follow it: copies
         # fetched during the matchmaking delayed the group, and a slow owner's served copies would compete with its
         # own all-reduce upload that its whole group waits for. sync.copies_during_allreduce asks for them once the
@@ -276,7 +277,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         elif average:
             early = None
             if self.cfg.copies_during_allreduce and others_at_start:
-                early = lambda: self._start_fetches(others_at_start, want)  # noqa: E731
+                early = self._copies_while_reducing(others_at_start, want, own, rel_change, during)
             shared_weight = weight if shared_weight is None else shared_weight
             report.group_size = max(1, self.shared.all_reduce(shared_weight, timeout=self.cfg.round_timeout,
                                                               expected=report.expected, on_grouped=early,
@@ -289,8 +290,10 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
                 # "Bandwidth-aware rounds"). Owners found only by the read below are asked then; none twice.
                 self._start_fetches(others_at_start, want - set(own))
         copies_started = time.perf_counter()
-        # Read the records after the all-reduce: by then every peer of the group has published this round.
-        records = self.swarm.peers()
+        # Read the records after the all-reduce: by then every peer of the group has published this round (with
+        # the copies during the all-reduce, read from when the group formed: a record may then still show its
+        # previous round, which costs nothing here, as the round's start read used for the early copies).
+        records = self.swarm.peers() if during.records is None else during.records.result(self.cfg.round_timeout)
         # The read runs while the copies stream in and counts in the expert phase's time, but it is no transfer:
         # round_due's "transfers took longer than it trained since" must not count it (on a peer slow on CPU it
         # took 0.3-0.7 s, and the peer then joined the fast peers' rounds late, missing their groups).
@@ -328,7 +331,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         # full round_timeout on top (a 30 s round when a peer's link went down mid-round).
         budget = self.cfg.matchmaking_time + self.cfg.round_timeout - (time.perf_counter() - net_started)
         deadline = time.monotonic() + min(self._expert_grace(owners, own), max(2.0, budget))
-        means = self._collect_means(owners, own, rel_change, deadline=deadline)
+        means = self._collect_means(owners, own, rel_change, deadline=deadline, checked=during.received)
         report.timing["experts"] = time.perf_counter() - copies_started
         report.rejected = self.rejects.total() - rejected_before
         owned_elsewhere = {e for r in others.values() for e in r.experts} & want

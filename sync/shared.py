@@ -285,11 +285,12 @@ class SharedAverager:
             ahead.cancel()
 
     def all_reduce(self, weight: float, timeout: float, expected: int = 0,
-                   on_grouped: Callable[[], None] | None = None, nobody_left: Callable[[], bool] | None = None) -> int:
+                   on_grouped: Callable[[bool], None] | None = None, nobody_left: Callable[[], bool] | None = None) -> int:
         """Run the all-reduce on the snapshot (any thread); returns the group size, 0 if it failed. `expected`:
         the peers (this one included) that should join, as the records show them; with sync.target_group_size 0
-        a group this peer leads starts once that many joined. `on_grouped` is called (in this thread) once the
-        group has formed and its all-reduce runs. `nobody_left`: asked every half second once the group took longer
+        a group this peer leads starts once that many joined. `on_grouped(first)` is called (in this thread) once
+        the group has formed and its all-reduce runs (first=True), then every poll (20 ms) until it returns
+        (first=False): the expert copies stream in meanwhile and are checked as they arrive. `nobody_left`: asked every half second once the group took longer
         than matchmaking_time; True (no other peer that could join is left in the run) ends the search at once
         instead of at `timeout` (hivemind retries matchmaking until then: a peer whose last round came after the
         others had finished their runs waited 60 s for nobody in bench.wan `mixed`)."""
@@ -319,14 +320,17 @@ class SharedAverager:
                         logger.info("no other peer is left in the run to average with: stopped looking for a group")
                         control.cancel()
                         return 0
-                if grouped is None and control.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
+                first = grouped is None and control.stage in (AveragingStage.RUNNING_ALLREDUCE,
+                                                              AveragingStage.FINISHED)
+                if first:
                     grouped, received = time.perf_counter(), self.wire.received
                     self._group_seconds = grouped - started
-                    if on_grouped is not None:
-                        try:
-                            on_grouped()
-                        except Exception as e:  # the all-reduce is not this callback's to fail
-                            logger.warning(f"could not start the expert copies early: {e!r}")
+                if grouped is not None and on_grouped is not None:
+                    try:
+                        on_grouped(first)
+                    except Exception as e:  # the all-reduce is not this callback's to fail
+                        logger.warning(f"expert copies during the all-reduce: {e!r}")
+                        on_grouped = None
                 time.sleep(0.02)
             gathered = control.result(timeout=max(0.0, deadline - time.perf_counter()))
             done = time.perf_counter()

@@ -70,6 +70,44 @@ def test_copies_asked_during_the_allreduce_arrive_whole(swarm_factory):
             _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
 
 
+def test_copies_checked_during_the_allreduce_are_used_and_asked_once(swarm_factory):
+    """sync.copies_during_allreduce: the copies that arrive while the all-reduce runs are checked then (not after
+    it, when every link would sit idle for the checks: bench.wan), are applied, and no owner is asked again after
+    the all-reduce because its copy is no longer in flight. The all-reduce's wait is played out here (the group
+    formed, copies arrived, then the all-reduce itself), since on loopback it may be over before it is polled."""
+    cfg = _sync_cfg(copies_during_allreduce=True)
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
+    sync = peers[1].sync
+    all_reduce, fetch_async = sync.shared.all_reduce, sync.exchange.fetch_async
+    fetches: list[tuple[int, str]] = []
+    in_flight_after_checks: list[int] = []
+
+    def fetch_spy(peer, expert, *args, **kwargs):
+        fetches.append((expert, str(peer)))
+        return fetch_async(peer, expert, *args, **kwargs)
+
+    def reduce_spy(*args, on_grouped=None, **kwargs):
+        assert on_grouped is not None
+        on_grouped(True)
+        deadline = time.monotonic() + 30
+        while sync._inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+            on_grouped(False)
+        in_flight_after_checks.append(len(sync._inflight))
+        return all_reduce(*args, **kwargs)
+
+    sync.shared.all_reduce, sync.exchange.fetch_async = reduce_spy, fetch_spy
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=i)
+    experts_before = [_experts(p) for p in peers]
+    reports = _round_all(peers)
+    assert in_flight_after_checks == [0], in_flight_after_checks  # every copy arrived and was checked meanwhile
+    assert sorted(e for e, _ in fetches) == [0, 1, 3] and len(set(fetches)) == 3, fetches  # once each
+    assert reports[1].experts_missing == [] and reports[1].experts_synced == [0, 1, 3], reports[1]
+    for expert, owner in {0: 0, 1: 0, 3: 2}.items():
+        _assert_experts_equal(_experts(peers[1])[expert], experts_before[owner][expert])
+
+
 def test_copies_are_asked_right_after_the_allreduce_and_once(swarm_factory):
     """The copies of experts owned elsewhere are asked for as soon as the all-reduce returned, from the owners
     the round's start read showed, before the records read that follows it (a peer that asks late gets the
