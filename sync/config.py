@@ -56,14 +56,20 @@ class SyncConfig:
     # following 5.9 s, with its changes all carried in (bench/README.md, issue 13 session 13). 0 = every peer
     # all-reduces.
     follow_below_mbit: float = 20.0
+    # A follower whose uplink was measured (not declared as network.upload_mbit) measures it again this many
+    # seconds after it began following, and after each later reading below follow_below_mbit; two readings in a
+    # row at or above it and it joins the all-reduce again from its next round (a home line whose upload was
+    # busy with something else when it was measured, or got faster). 0 = follow for the whole run.
+    follower_reprobe_s: float = 600.0
     # A follower sends its own shared change each round (8-bit, rounding error kept for the next one) to one peer
     # that all-reduces, which folds it into its contribution (sync/carry.py): the follower's tokens count in the
     # shared average instead of being dropped. False: a follower's shared changes are not averaged in.
     carry_changes: bool = True
     # An uplink below this many Mbit/s (declared as network.upload_mbit, or else measured once other peers are
     # seen: sync/uplink.py) is told to hivemind, so this peer reduces a matching small part of each all-reduce,
-    # and its all-reduce parts travel 8-bit (a quarter of the bytes). A faster measured uplink declares 100
-    # (equal shares among fast peers: a measurement varies too much between equal links to split by it).
+    # and its all-reduce parts travel fp16 (half the bytes; 8-bit parameters were dropped by every reducer). A
+    # faster measured uplink declares 100 (equal shares among fast peers: a measurement varies too much between
+    # equal links to split by it).
     # 0 = never measure (an undeclared uplink gets an equal share, full precision).
     slow_uplink_mbit: float = 20.0
     # While this peer's uplink is below slow_uplink_mbit: send each bf16 expert copy out once per round and send
@@ -133,6 +139,8 @@ class SyncConfig:
             raise ValueError(f"sync.max_peer_processes must be >= 1, got {self.max_peer_processes}")
         if self.alone_warn_rounds < 1:
             raise ValueError(f"sync.alone_warn_rounds must be >= 1, got {self.alone_warn_rounds}")
+        if self.follower_reprobe_s < 0:
+            raise ValueError(f"sync.follower_reprobe_s must be >= 0, got {self.follower_reprobe_s}")
         if self.follow_below_mbit < 0:
             raise ValueError(f"sync.follow_below_mbit must be >= 0, got {self.follow_below_mbit}")
         if not 0 <= self.slow_uplink_mbit < 1e6:

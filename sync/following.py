@@ -46,6 +46,25 @@ class Following:
                     f"{'sends its shared changes to a peer that carries them in' if self.cfg.carry_changes else 'its shared changes are not averaged in'}; "
                     f"its experts are served as usual")
 
+    def _maybe_unfollow(self) -> float:
+        """(Training thread, a round's start, before the snapshot) Stop following once a re-probe found the
+        uplink fast (sync/uplink.py `_reprobed`) and no change of this peer is on its way to a carrier: what no
+        send carried (8-bit rounding, a failed send) goes back into its shared tensors, so that its first
+        all-reduce contribution holds it; returns the tokens that trained it, for that contribution's weight."""
+        if self.unfollow_why is None or not self.follower or self._change_sender.busy():
+            return 0.0
+        with torch.no_grad():
+            zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.shared.params]
+            residual, tokens = self._change_sender.take(zeros, 0.0)
+            for param, change in zip(self.shared.params, residual):
+                param.add_(change.to(param.device, param.dtype))
+        why, self.unfollow_why, self.follower = self.unfollow_why, None, False
+        self.swarm.record.follows = False  # stored with this round's record: the others wait for it again
+        logger.info(f"{why}: at or above sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}), this peer joins "
+                    f"the shared all-reduce again from this round"
+                    + (f" (its change that no carrier took, {tokens:g} tokens, goes with it)" if tokens else ""))
+        return tokens
+
     def _sender_follows(self, peer_id: str) -> bool:
         """(Exchange loop) A change is taken only from a peer whose signed record says it follows: one that
         all-reduces itself would otherwise count twice."""

@@ -217,6 +217,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         if self._leaving:
             self.shared.cancel_ahead()
             return previous
+        tokens_since_last += int(self._maybe_unfollow())
         started = time.perf_counter()
         self.round_id += 1
         report = RoundReport(self.round_id)

@@ -117,6 +117,7 @@ class Scheduling:
             self._step_intervals.append(now - self._last_step_at)
         self._last_step_at = now
         idle = self._pending is None or self._pending.future.done()
+        self._reprobe_due()
         if self._probes_left and self._probe_allowed(idle) and not self._leaving:
             # Between rounds, so the probe's bytes do not compete with a round's transfers (sync/uplink.py); with
             # sync.overlap a round is applied only at the next boundary, so "its transfers are done" counts too,

@@ -123,7 +123,10 @@ class UplinkMeasuring:
         measure = self.bandwidth is None and self.cfg.slow_uplink_mbit > 0 and not self.follower
         self._probes_left = MAX_PROBES if measure else 0
         self._below_follow = False  # the last measurement was below sync.follow_below_mbit (one more confirms it)
-        self._below_follow_at = 0.0  # monotonic time of that measurement
+        self._above_follow = False  # a follower's last re-probe was at or above it (one more confirms it)
+        self._below_follow_at = 0.0  # monotonic time of the measurement to confirm
+        self._reprobe_at: float | None = None  # when a measured follower measures again (sync.follower_reprobe_s)
+        self.unfollow_why: str | None = None  # set by a confirmed fast re-probe: stop following at the next round
         self._confirm_tries = 0
         self._last_probe_at = time.monotonic()  # of the last attempt (or the start): see _probe_allowed
         self._probing = False
@@ -135,7 +138,7 @@ class UplinkMeasuring:
         """Whether a probe may start at this step: between rounds (`idle`) or BUSY_PROBE_AFTER s after the last
         attempt; one confirming a slow reading only after the sinks' cooldown."""
         now = time.monotonic()
-        if self._below_follow and now - self._below_follow_at <= CONFIRM_AFTER:
+        if (self._below_follow or self._above_follow) and now - self._below_follow_at <= CONFIRM_AFTER:
             return False
         return idle or now - self._last_probe_at > BUSY_PROBE_AFTER
 
@@ -161,6 +164,8 @@ class UplinkMeasuring:
             if self._below_follow and self._probes_left == 0 and self._confirm_tries < MAX_PROBES:
                 self._confirm_tries += 1
                 self._probes_left = 1  # no target answered the confirming probe (busy, gone): try again
+            elif self.follower and self._probes_left == 0 and self.cfg.follower_reprobe_s > 0:
+                self._above_follow, self._reprobe_at = False, time.monotonic() + self.cfg.follower_reprobe_s
             return
         self._probes_left, self.measured_upload = 0, rate
         self._below_follow = self._below_follow and rate < self.cfg.follow_below_mbit
@@ -169,15 +174,19 @@ class UplinkMeasuring:
         self.shared.averager.bandwidth = self.bandwidth  # read by each step() in this process
         self.shared.compression.use_slow_codec(slow)
         self.exchange.pass_copies_on = slow and self.cfg.pass_on_copies
-        if rate < self.cfg.follow_below_mbit and not self.follower and self._below_follow:
+        if self.follower:
+            self._reprobed(rate, len(targets))
+        elif rate < self.cfg.follow_below_mbit and self._below_follow:
             self._become_follower(f"upload measured at {rate:.1f} Mbit/s twice (probes to {len(targets)} peer(s))")
+            if self.cfg.follower_reprobe_s > 0:
+                self._reprobe_at = time.monotonic() + self.cfg.follower_reprobe_s
             # Stored now (this is the probe's thread), not at the next round: carriers take changes only from
             # peers whose record says they follow, and its first change goes out with that round.
             try:
                 self.swarm.publish()
             except Exception as e:  # the heartbeat stores it within ttl / 3 anyway
                 logger.debug(f"could not store the record now: {e!r}")
-        elif rate < self.cfg.follow_below_mbit and not self.follower:
+        elif rate < self.cfg.follow_below_mbit:
             # Following is for the whole run: confirmed by a second probe first, at a step between rounds. A
             # 100 Mbit/s peer's probe at join, overlapping the first round's transfers, read 4.4 Mbit/s once in
             # bench.wan and made it a follower; in the meantime it is a slow uplink (below).
@@ -194,3 +203,36 @@ class UplinkMeasuring:
         else:
             logger.info(f"upload measured at {rate:.0f} Mbit/s (probe to {len(targets)} peer(s)): an equal share "
                         f"of each all-reduce (declared as {FAST_UPLINK_MBIT:g})")
+
+    def _reprobe_due(self) -> None:
+        """(Training thread, every step) A measured follower's time to measure again (sync.follower_reprobe_s):
+        the probe then runs as any other, between rounds."""
+        if self._reprobe_at is not None and time.monotonic() >= self._reprobe_at and not self._probing:
+            self._reprobe_at, self._probes_left = None, 1
+
+    def _reprobed(self, rate: float, targets: int) -> None:
+        """A measured follower's later reading. Two in a row at or above sync.follow_below_mbit (the second after
+        the sinks' cooldown, between rounds, as when it began to follow) and it joins the all-reduce again at its
+        next round's start (sync/following.py `_maybe_unfollow`); below it, it measures again later. Its own
+        sends (its change, its experts) share the uplink with the probe: a busy line reads low, never high."""
+        if rate < self.cfg.follow_below_mbit:
+            self._above_follow, self._reprobe_at = False, time.monotonic() + self.cfg.follower_reprobe_s
+            logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {targets} peer(s)): still below "
+                        f"sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}), this peer keeps following")
+        elif not self._above_follow:
+            self._above_follow, self._probes_left, self._below_follow_at = True, 1, time.monotonic()
+            logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {targets} peer(s)), at or above "
+                        f"sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}): measuring once more, between "
+                        f"rounds, before joining the all-reduce again")
+        else:
+            self._above_follow = False
+            self.unfollow_why = f"upload measured at {rate:.1f} Mbit/s twice (probes to {targets} peer(s))"
+            if self._change_sender.busy():
+                return  # its record changes when it stops following, after that change arrived
+            # Stored now (this is the probe's thread), so that the others' next round expects it in its group; a
+            # change of its still on its way would be refused from now on (and go back into its tensors).
+            self.swarm.record.follows = False
+            try:
+                self.swarm.publish()
+            except Exception as e:  # the heartbeat stores it within ttl / 3, or its next round does
+                logger.debug(f"could not store the record now: {e!r}")

@@ -178,6 +178,66 @@ def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkey
     assert time.monotonic() - started < 4.0  # not the matchmaking time spent waiting for the follower
 
 
+def test_a_measured_follower_measures_again_and_joins_the_allreduce_once_its_uplink_is_fast(swarm_factory,
+                                                                                                monkeypatch):
+    """A follower whose uplink was measured measures it again (sync.follower_reprobe_s): a slow reading keeps it
+    following; two fast ones in a row and it joins the all-reduce from its next round, its record no longer says
+    it follows, and the part of its changes that no carrier took goes into its contribution (none is lost)."""
+    import torch
+
+    import sync.uplink
+    from tests.conftest import local_training, round_all, shared_params
+
+    monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
+    cfg = sync_cfg(matchmaking_time=4.0, follower_reprobe_s=0.3)
+    peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
+    rates = [95.0, 110.0, 5.0]
+    for i, peer in enumerate(peers):
+        monkeypatch.setattr(peer.sync.exchange, "measure_upload", lambda targets, i=i: rates[i])
+    for peer in peers:
+        peer.sync.join(step=0, tokens=0)
+    home = peers[2].sync
+
+    def probe_at_a_step() -> None:
+        deadline = time.monotonic() + 10
+        while home._probing and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.35)  # past follower_reprobe_s
+        home.note_step(steps_since_round=1)
+        while home._probing and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    deadline = time.monotonic() + 10
+    while (home._probing or home.measured_upload is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    probe_at_a_step()  # the confirming reading
+    assert home.follower and home._reprobe_at is not None
+    probe_at_a_step()  # measured again, still 5 Mbit/s: it keeps following and measures later
+    assert home.follower and home.unfollow_why is None and home._reprobe_at is not None
+    rates[2] = 50.0  # the line got faster (or whatever used it at join stopped)
+    probe_at_a_step()
+    assert home.follower and home.unfollow_why is None  # one fast reading is not enough
+    probe_at_a_step()
+    assert home.unfollow_why is not None and home.follower  # it stops following at its next round's start
+    deadline = time.monotonic() + 10  # stored now, from the probe's thread: the next round expects it
+    while peers[0].swarm.peers()[peers[2].swarm.peer_id].follows and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not peers[0].swarm.peers()[peers[2].swarm.peer_id].follows
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=i)
+    left_behind = [0.002 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) for p in home.shared.params]
+    home._change_sender.keep(left_behind)  # as a send a carrier refused would leave it
+    before = [shared_params(p) for p in peers]
+    names = list(before[0])
+    reports = round_all(peers)
+    assert [r.group_size for r in reports] == [3, 3, 3], reports
+    assert not home.follower
+    for peer in peers:
+        for name, value in shared_params(peer).items():
+            mean = (before[0][name] + before[1][name] + before[2][name] + left_behind[names.index(name)]) / 3
+            torch.testing.assert_close(value, mean, rtol=1e-5, atol=1e-6)
+
+
 def test_a_slow_uplink_sends_its_expert_copies_once_a_round(swarm_factory):
     """A peer with a slow uplink (declared here; measured ones alike) sends each of its experts' bf16 copies out
     once in a round of four peers: the first requester gets it, the other two are sent to that holder and get
