@@ -263,7 +263,11 @@ class ExpertFetching:
             tensors_list = ([own_snapshots[expert]] if expert in own_snapshots else []) + [t for r, t in copies
                                                                                            if r == newest]
             names = list(tensors_list[-1])
-            if len(tensors_list) >= 3:
+            if len(tensors_list) == 1:
+                # One owner's copy is the value: stored as it came (bf16 into bf16), without a float32 stack and
+                # mean of it (3 passes over 56 MB for 12 copies at bench.wan's issue shape, on the round's path).
+                means[expert] = tensors_list[0]
+            elif len(tensors_list) >= 3:
                 means[expert] = robust_mean(tensors_list, self.cfg.clip_factor)
             else:
                 means[expert] = {n: torch.stack([c[n].float() for c in tensors_list]).mean(dim=0) for n in names}
