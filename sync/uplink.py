@@ -153,13 +153,20 @@ class UplinkMeasuring:
         threading.Thread(target=self._measure_uplink, args=(targets,), daemon=True, name="spes-uplink-probe").start()
 
     def _measure_uplink(self, targets: list[str]) -> None:
+        # "Probing" lasts until what the reading decides is done (a follower's state included): a step that
+        # looked in between would see a new follower without its re-probe time, or start another probe.
         try:
-            rate = self.exchange.measure_upload([PeerID.from_base58(t) for t in targets])
-        except Exception as e:  # the exchange is shutting down, or every target failed: maybe next round
-            logger.debug(f"upload probe failed: {e!r}")
-            rate = None
+            try:
+                rate = self.exchange.measure_upload([PeerID.from_base58(t) for t in targets])
+            except Exception as e:  # the exchange is shutting down, or every target failed: maybe next round
+                logger.debug(f"upload probe failed: {e!r}")
+                rate = None
+            self._decide_on(rate, targets)
         finally:
             self._probing = False
+
+    def _decide_on(self, rate: float | None, targets: list[str]) -> None:
+        """What one reading (None: no target answered) changes: the declared rate, the codec, following."""
         if rate is None:
             if self._below_follow and self._probes_left == 0 and self._confirm_tries < MAX_PROBES:
                 self._confirm_tries += 1
