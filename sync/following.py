@@ -36,7 +36,7 @@ class Following:
         if bandwidth is not None and bandwidth < self.cfg.follow_below_mbit:
             self._become_follower(f"upload {bandwidth:g} Mbit/s")
 
-    def _become_follower(self, why: str) -> None:
+    def _become_follower(self, why: str, then: str = "") -> None:
         # Its record says so (from its next store on), so that nobody waits for it in matchmaking.
         self.follower = True
         self.swarm.record.follows = True
@@ -44,7 +44,7 @@ class Following:
         logger.info(f"{why} is below sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}): this peer downloads "
                     f"the swarm's shared tensors each round instead of joining the all-reduce, and "
                     f"{'sends its shared changes to a peer that carries them in' if self.cfg.carry_changes else 'its shared changes are not averaged in'}; "
-                    f"its experts are served as usual")
+                    f"its experts are served as usual{then}")
 
     def _maybe_unfollow(self) -> float:
         """(Training thread, a round's start, before the snapshot) Stop following once a re-probe found the

@@ -116,13 +116,15 @@ class UplinkMeasuring:
     start), unless declared (network.upload_mbit) or sync.slow_uplink_mbit is 0; in a daemon thread, so neither
     join nor a round waits for it. Below sync.slow_uplink_mbit, hivemind is told the rate (a small part of each
     all-reduce to reduce), the all-reduce parts go fp16 and each bf16 expert copy goes out once a round
-    (sync.pass_on_copies, sync/copies.py); at or above it, FAST_UPLINK_MBIT is declared."""
+    (sync.pass_on_copies, sync/copies.py); at or above it, FAST_UPLINK_MBIT is declared. Below
+    sync.follow_below_mbit it follows at once (sync/following.py), and a second reading decides whether it goes
+    on following; a measured follower measures again every sync.follower_reprobe_s."""
 
     def _init_uplink(self) -> None:
         self.measured_upload: float | None = None
         measure = self.bandwidth is None and self.cfg.slow_uplink_mbit > 0 and not self.follower
         self._probes_left = MAX_PROBES if measure else 0
-        self._below_follow = False  # the last measurement was below sync.follow_below_mbit (one more confirms it)
+        self._below_follow = False  # it follows since one reading below sync.follow_below_mbit: the next decides
         self._above_follow = False  # a follower's last re-probe was at or above it (one more confirms it)
         self._below_follow_at = 0.0  # monotonic time of the measurement to confirm
         self._reprobe_at: float | None = None  # when a measured follower measures again (sync.follower_reprobe_s)
@@ -130,6 +132,7 @@ class UplinkMeasuring:
         self._confirm_tries = 0
         self._last_probe_at = time.monotonic()  # of the last attempt (or the start): see _probe_allowed
         self._probing = False
+        self._probe_retry_at = 0.0  # monotonic: no attempt before (a failed one waits out the sinks' cooldown)
         if self.bandwidth is not None and self.bandwidth < self.cfg.slow_uplink_mbit:
             self.shared.compression.use_slow_codec(True)  # a declared slow uplink: its parts go fp16 too
             self.exchange.pass_copies_on = self.cfg.pass_on_copies
@@ -139,6 +142,8 @@ class UplinkMeasuring:
         attempt; one confirming a slow reading only after the sinks' cooldown."""
         now = time.monotonic()
         if (self._below_follow or self._above_follow) and now - self._below_follow_at <= CONFIRM_AFTER:
+            return False
+        if now < self._probe_retry_at:
             return False
         return idle or now - self._last_probe_at > BUSY_PROBE_AFTER
 
@@ -158,10 +163,21 @@ class UplinkMeasuring:
         try:
             try:
                 rate = self.exchange.measure_upload([PeerID.from_base58(t) for t in targets])
+                failed = "no target answered (busy, gone or malformed)"
             except Exception as e:  # the exchange is shutting down, or every target failed: maybe next round
-                logger.debug(f"upload probe failed: {e!r}")
-                rate = None
+                rate, failed = None, f"{type(e).__name__}: {str(e)[:80]}"
+            if rate is None:
+                # The targets that took the failed push count this sender for COOLDOWN and refuse it as busy
+                # until then: three attempts one round apart (rounds of 1.5 s in tests/test_netns.py) all failed
+                # that way, and the peer never measured. So the next attempt waits that long.
+                self._probe_retry_at = time.monotonic() + CONFIRM_AFTER
             self._decide_on(rate, targets)
+            if rate is None:
+                then = (f"trying again in {CONFIRM_AFTER:.0f} s or later" if self._probes_left else
+                        "measuring again later" if self._reprobe_at is not None else
+                        "as a follower" if self.follower else
+                        "the uplink stays unmeasured (declare it with --set network.upload_mbit=N)")
+                logger.info(f"upload probe to {len(targets)} peer(s) failed ({failed}); {then}")
         finally:
             self._probing = False
 
@@ -172,35 +188,39 @@ class UplinkMeasuring:
                 self._confirm_tries += 1
                 self._probes_left = 1  # no target answered the confirming probe (busy, gone): try again
             elif self.follower and self._probes_left == 0 and self.cfg.follower_reprobe_s > 0:
-                self._above_follow, self._reprobe_at = False, time.monotonic() + self.cfg.follower_reprobe_s
+                # A re-probe, or a confirmation that never got an answer: it keeps following, measures later.
+                self._above_follow = self._below_follow = False
+                self._reprobe_at = time.monotonic() + self.cfg.follower_reprobe_s
             return
-        self._probes_left, self.measured_upload = 0, rate
-        self._below_follow = self._below_follow and rate < self.cfg.follow_below_mbit
+        confirming = self._below_follow and self.follower
+        self._probes_left, self.measured_upload, self._below_follow = 0, rate, False
         slow = rate < self.cfg.slow_uplink_mbit
         self.bandwidth = rate if slow else FAST_UPLINK_MBIT
         self.shared.averager.bandwidth = self.bandwidth  # read by each step() in this process
         self.shared.compression.use_slow_codec(slow)
         self.exchange.pass_copies_on = slow and self.cfg.pass_on_copies
-        if self.follower:
+        if confirming:
+            self._confirmed(rate, len(targets))
+        elif self.follower:
             self._reprobed(rate, len(targets))
-        elif rate < self.cfg.follow_below_mbit and self._below_follow:
-            self._become_follower(f"upload measured at {rate:.1f} Mbit/s twice (probes to {len(targets)} peer(s))")
-            if self.cfg.follower_reprobe_s > 0:
-                self._reprobe_at = time.monotonic() + self.cfg.follower_reprobe_s
+        elif rate < self.cfg.follow_below_mbit:
+            # It follows from now on, and a second probe (after the sinks' cooldown, at a step between rounds)
+            # decides whether it keeps following: a 100 Mbit/s peer's probe at join, overlapping the first round's
+            # transfers, read 4.4 Mbit/s once in bench.wan. Until session 14 it all-reduced until that second
+            # reading, as a slow uplink, and a public peer that grouped with it in that time spent 31 s on one
+            # all-reduce at its uplink's pace, fell behind and re-downloaded the state, while the other two waited
+            # out a matchmaking window for that one in each of the next five rounds (docs/DESIGN.md, "Slow
+            # uplinks follow"). A wrong first reading now costs a fast peer a round or two of following instead.
+            self._below_follow, self._probes_left, self._below_follow_at = True, 1, time.monotonic()
+            self._become_follower(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s))",
+                                  then=f"; it is measured once more, between rounds after {CONFIRM_AFTER:.0f} s, "
+                                       f"and follows on only if that reading is below it too")
             # Stored now (this is the probe's thread), not at the next round: carriers take changes only from
             # peers whose record says they follow, and its first change goes out with that round.
             try:
                 self.swarm.publish()
             except Exception as e:  # the heartbeat stores it within ttl / 3 anyway
                 logger.debug(f"could not store the record now: {e!r}")
-        elif rate < self.cfg.follow_below_mbit:
-            # Following is for the whole run: confirmed by a second probe first, at a step between rounds. A
-            # 100 Mbit/s peer's probe at join, overlapping the first round's transfers, read 4.4 Mbit/s once in
-            # bench.wan and made it a follower; in the meantime it is a slow uplink (below).
-            self._below_follow, self._probes_left, self._below_follow_at = True, 1, time.monotonic()
-            logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
-                        f"sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}): measuring once more, between "
-                        f"rounds, before following; until then fp16 parts and a small share of each all-reduce")
         elif slow:
             logger.info(f"upload measured at {rate:.1f} Mbit/s (probe to {len(targets)} peer(s)), below "
                         f"sync.slow_uplink_mbit ({self.cfg.slow_uplink_mbit:g}): this peer reduces a matching small "
@@ -233,13 +253,32 @@ class UplinkMeasuring:
                         f"rounds, before joining the all-reduce again")
         else:
             self._above_follow = False
-            self.unfollow_why = f"upload measured at {rate:.1f} Mbit/s twice (probes to {targets} peer(s))"
-            if self._change_sender.busy():
-                return  # its record changes when it stops following, after that change arrived
-            # Stored now (this is the probe's thread), so that the others' next round expects it in its group; a
-            # change of its still on its way would be refused from now on (and go back into its tensors).
-            self.swarm.record.follows = False
-            try:
-                self.swarm.publish()
-            except Exception as e:  # the heartbeat stores it within ttl / 3, or its next round does
-                logger.debug(f"could not store the record now: {e!r}")
+            self._stop_following(f"upload measured at {rate:.1f} Mbit/s twice (probes to {targets} peer(s))")
+
+    def _confirmed(self, rate: float, targets: int) -> None:
+        """The second reading of a peer that follows since its first one was below sync.follow_below_mbit: below
+        it again and it keeps following (measuring again after sync.follower_reprobe_s); at or above it, the first
+        reading was wrong (its probe shared the line with a round's transfers, or its targets' downlinks were the
+        bottleneck) and it joins the all-reduce at its next round. One fast reading is enough here, against two for
+        a confirmed follower: a busy line reads low, never high, and this one was never confirmed slow."""
+        if rate < self.cfg.follow_below_mbit:
+            if self.cfg.follower_reprobe_s > 0:
+                self._reprobe_at = time.monotonic() + self.cfg.follower_reprobe_s
+            logger.info(f"upload measured at {rate:.1f} Mbit/s twice (probes to {targets} peer(s)), below "
+                        f"sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}): this peer keeps following")
+        else:
+            self._stop_following(f"upload measured at {rate:.1f} Mbit/s (probe to {targets} peer(s)) after a first "
+                                 f"reading below sync.follow_below_mbit")
+
+    def _stop_following(self, why: str) -> None:
+        """Join the all-reduce again at the next round's start (sync/following.py `_maybe_unfollow`)."""
+        self.unfollow_why = why
+        if self._change_sender.busy():
+            return  # its record changes when it stops following, after that change arrived
+        # Stored now (this is the probe's thread), so that the others' next round expects it in its group; a
+        # change of its still on its way would be refused from now on (and go back into its tensors).
+        self.swarm.record.follows = False
+        try:
+            self.swarm.publish()
+        except Exception as e:  # the heartbeat stores it within ttl / 3, or its next round does
+            logger.debug(f"could not store the record now: {e!r}")

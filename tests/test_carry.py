@@ -248,3 +248,46 @@ def test_a_change_beyond_the_carriers_room_arrives_over_several_rounds():
     assert held.round_id == 7 and abs(held.weight - (rest[0].weight + 100.0)) < 1e-6
     mean = (rest[0].weight * follower[0] + 100.0 * 1.0) / held.weight  # each keeps its tokens x change
     assert torch.allclose(held.tensors[0], mean)
+
+
+def test_followers_with_nobody_to_follow_all_reduce_among_themselves(swarm_factory):
+    """Every live peer follows (a swarm of home lines all below sync.follow_below_mbit): nobody would serve a
+    result or carry a change, and their shared tensors would never be averaged. They all-reduce among themselves
+    instead, each waiting for all of them, until a peer that averages turns up."""
+    cfg = sync_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
+    homes = [swarm_factory([e], cfg, bandwidth=5.0) for e in range(2)]
+    assert all(h.sync.follower for h in homes)
+    for h in homes:
+        _wait(lambda h=h: len(h.sync.progress.others()) == 1, 15, "the other record never reached the reader")
+    for i, peer in enumerate(homes):
+        local_training(peer, seed=60 + i)
+    before = [shared_params(h) for h in homes]
+    reports = _round(homes)
+    assert [r.group_size for r in reports] == [2, 2] and not any(r.rejected for r in reports), reports
+    for h in homes:
+        assert h.sync.follower  # still followers: they follow again once a peer that averages is there
+        for name, value in shared_params(h).items():
+            torch.testing.assert_close(value, (before[0][name] + before[1][name]) / 2, rtol=1e-5, atol=1e-6)
+        assert h.sync._change_sender.take([torch.zeros(1)], 0.0)[1] == 0.0  # nothing kept to send again
+
+
+def test_a_follower_whose_download_failed_sends_only_its_new_change_next(swarm_factory, monkeypatch):
+    """A follower round whose download failed keeps the local tensors; the change it sent (or holds) must not be
+    counted again in the next round's change (its base moves to that round's snapshot)."""
+    a, b, home = _swarm_with_follower(swarm_factory)
+    monkeypatch.setattr(home.sync, "_download_result", lambda sources: None)
+    start = shared_params(home)
+    local_training(home, seed=70)
+    first = {k: v - start[k] for k, v in shared_params(home).items()}
+    _round([home])
+    _change_arrived(home, (a, b))
+    middle = shared_params(home)
+    local_training(home, seed=71)
+    second = {k: v - middle[k] for k, v in shared_params(home).items()}
+    home.sync.shared.take_snapshot()
+    with torch.no_grad():
+        names = [n for n, _ in home.model.shared_parameters()]
+        delta = [s - r for s, r in zip(home.sync.shared.snapshot, home.sync.shared.synced)]
+    for name, d in zip(names, delta):
+        torch.testing.assert_close(d, second[name], rtol=1e-5, atol=1e-6)
+        assert float(torch.linalg.vector_norm(first[name])) > 0

@@ -227,7 +227,7 @@ def test_upload_probe_tells_a_slow_uplink_from_a_fast_one(netlab: NetLab) -> Non
 
 @pytest.mark.timeout(480)
 def test_slow_home_uplink_follows_and_its_changes_reach_the_average(netlab: NetLab) -> None:
-    """A home peer behind the NAT on a 5 Mbit/s uplink (measured twice, nobody declares it) follows: the public
+    """A home peer behind the NAT on a 5 Mbit/s uplink (measured, nobody declares it) follows: the public
     peers' rounds stop waiting for it, it takes each round's result from them, and its own shared changes
     come back into their all-reduce through a carrier (docs/DESIGN.md, "Slow uplinks follow"). Then its line
     gets faster: it measures again (sync.follower_reprobe_s), and after two fast readings joins their all-reduce
@@ -243,7 +243,7 @@ def test_slow_home_uplink_follows_and_its_changes_reach_the_average(netlab: NetL
     publics = [spes_peer(netlab, n, initial, e, *flags, steps=100_000) for n, e in (("pa", "0"), ("pb", "1"))]
     home = spes_peer(netlab, "home", initial, "2-3", "--use-auto-relay", *flags,
                      "--set", "sync.follower_reprobe_s=5", steps=100_000)
-    home.wait_log(r"measuring once more", 90)
+    home.wait_log(r"it is measured once more", 90)
     home.wait_log(r"twice .* below sync\.follow_below_mbit", 120)
     netlab.set_rate(home_node, up_mbit=100, down_mbit=20)
     home.wait_log(r"joins the shared all-reduce again", 150)

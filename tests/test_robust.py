@@ -87,6 +87,15 @@ def test_median_round_ignores_one_liar():
     assert median_round([]) is None
 
 
+def test_median_round_leaves_out_followers_unless_all_follow():
+    """A follower joins no group, so its rounds run ahead of the swarm's (it trains on while the others wait for
+    their groups); counted, it would make an averaging peer think itself behind."""
+    averaging = [PeerRecord("a", [0], round=5), PeerRecord("b", [1], round=6)]
+    ahead = [PeerRecord(f"f{i}", [2], round=14, follows=True) for i in range(3)]
+    assert median_round(averaging + ahead) == 5
+    assert median_round(ahead) == 14
+
+
 def test_coordinate_median_small_groups_pick_the_sorted_middle_exactly():
     """Groups of up to 4 take the median by min/max (no sort): the same values, bit for bit, as the sorted middle,
     also next to a peer's +-1e30 entries (no sums that could cancel) and with ties."""

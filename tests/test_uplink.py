@@ -11,7 +11,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from sync.uplink import COOLDOWN, FAST_UPLINK_MBIT, MAX_SINK_BYTES, UplinkSink, measure_upload
-from tests.conftest import sync_cfg
+from tests.conftest import round_all, sync_cfg
 
 
 def test_probe_between_real_peers_gives_a_rate_and_the_sink_limits_each_sender(swarm_factory):
@@ -148,8 +148,9 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_codec():
 
 
 def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkeypatch):
-    """A 5 Mbit/s uplink, measured twice (nobody declared it), makes the peer a follower (sync.follow_below_mbit,
-    20 by default): its record says so, and the others' next round neither waits for it nor counts it."""
+    """A 5 Mbit/s uplink, measured (nobody declared it), makes the peer a follower at once (sync.follow_below_mbit,
+    20 by default): its record says so, and the others' next round neither waits for it nor counts it. A second
+    reading, below it too, confirms it."""
     import sync.uplink
 
     monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
@@ -159,16 +160,13 @@ def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkey
         monkeypatch.setattr(peer.sync.exchange, "measure_upload", lambda targets, rate=rate: rate)
     for peer in peers:
         peer.sync.join(step=0, tokens=0)
+    home = peers[2].sync
     deadline = time.monotonic() + 10
-    while (peers[2].sync._probing or peers[2].sync.measured_upload is None) and time.monotonic() < deadline:
+    while (home._probing or home.measured_upload is None) and time.monotonic() < deadline:
         time.sleep(0.05)
-    # One reading is not enough for a whole run's choice: a second probe, between rounds, confirms it.
-    assert not peers[2].sync.follower and peers[2].sync._probes_left == 1
-    peers[2].sync.note_step(steps_since_round=1)
-    while not peers[2].sync.follower and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert peers[2].sync.follower and not peers[0].sync.follower and not peers[1].sync.follower
-    peers[2].swarm.publish()  # (the heartbeat or its next round stores it)
+    # One reading: it follows, and its record is stored at once; a second probe, between rounds, decides.
+    assert home.follower and home._probes_left == 1 and home._reprobe_at is None
+    assert not peers[0].sync.follower and not peers[1].sync.follower
     records = peers[0].swarm.peers()
     assert records[peers[2].swarm.peer_id].follows and not records[peers[1].swarm.peer_id].follows
     started = time.monotonic()
@@ -176,6 +174,69 @@ def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkey
         peer.sync.start_round(step=1, tokens=10, tokens_since_last=10)
     assert [p.sync.finish_round(block=True).group_size for p in peers[:2]] == [2, 2]
     assert time.monotonic() - started < 4.0  # not the matchmaking time spent waiting for the follower
+    home.note_step(steps_since_round=1)  # the confirming probe, at a step between rounds
+    deadline = time.monotonic() + 10
+    while (home._probing or home._probes_left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert home.follower and home.unfollow_why is None and home._reprobe_at is not None  # confirmed
+
+
+def test_a_first_slow_reading_that_the_second_does_not_confirm_ends_following(swarm_factory, monkeypatch):
+    """A fast uplink whose first probe read low (it shared the line with the first round, say) follows from that
+    reading until the second: then, at or above sync.follow_below_mbit, it joins the all-reduce again at its next
+    round (one fast reading is enough: a busy line reads low, never high), and its record says so at once."""
+    import sync.uplink
+
+    monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
+    cfg = sync_cfg(matchmaking_time=4.0)
+    peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
+    readings = [[95.0], [110.0], [4.4, 90.0]]
+    for peer, rates in zip(peers, readings):
+        monkeypatch.setattr(peer.sync.exchange, "measure_upload",
+                            lambda targets, rates=rates: rates.pop(0) if len(rates) > 1 else rates[0])
+    for peer in peers:
+        peer.sync.join(step=0, tokens=0)
+    home = peers[2].sync
+    deadline = time.monotonic() + 10
+    while (home._probing or home.measured_upload is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert home.follower and home._probes_left == 1
+    home.note_step(steps_since_round=1)
+    while (home._probing or home._probes_left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert home.unfollow_why is not None and home.measured_upload == 90.0
+    deadline = time.monotonic() + 10  # stored from the probe's thread: the others' next round expects it
+    while peers[0].swarm.peers()[peers[2].swarm.peer_id].follows and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not peers[0].swarm.peers()[peers[2].swarm.peer_id].follows
+    reports = round_all(peers)
+    assert [r.group_size for r in reports] == [3, 3, 3], reports
+    assert not home.follower and home._reprobe_at is None
+
+
+def test_a_failed_probe_waits_out_the_sinks_cooldown_before_the_next_attempt(swarm_factory, monkeypatch):
+    """A target that took a push counts its sender for the sinks' cooldown and answers busy until then: the next
+    attempt waits that long (three attempts one round apart all failed so, and the peer never measured)."""
+    import sync.uplink
+
+    monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.6)
+    peers = [swarm_factory([e], sync_cfg(), join=False) for e in range(2)]
+    readings = [None, 50.0]
+    monkeypatch.setattr(peers[1].sync.exchange, "measure_upload", lambda targets: readings.pop(0))
+    for peer in peers:
+        peer.sync.join(step=0, tokens=0)
+    home = peers[1].sync
+    deadline = time.monotonic() + 10
+    while (home._probing or len(readings) == 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert home.measured_upload is None and home._probes_left == sync.uplink.MAX_PROBES - 1
+    home.note_step(steps_since_round=1)  # between rounds, but within the cooldown: no attempt
+    assert not home._probing and readings == [50.0]
+    time.sleep(0.7)
+    home.note_step(steps_since_round=1)
+    while (home._probing or home.measured_upload is None) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert home.measured_upload == 50.0 and readings == []
 
 
 def test_a_measured_follower_measures_again_and_joins_the_allreduce_once_its_uplink_is_fast(swarm_factory,
@@ -210,6 +271,7 @@ def test_a_measured_follower_measures_again_and_joins_the_allreduce_once_its_upl
     deadline = time.monotonic() + 10
     while (home._probing or home.measured_upload is None) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert home.follower and home._reprobe_at is None  # following since the first reading
     probe_at_a_step()  # the confirming reading
     assert home.follower and home._reprobe_at is not None
     probe_at_a_step()  # measured again, still 5 Mbit/s: it keeps following and measures later
