@@ -112,7 +112,7 @@ class Applying:
     def _track_alone(self, report: "RoundReport") -> None:
         """A warning (and spes_sync_alone_rounds) when this peer keeps averaging with nobody while others exist:
         e.g. every group it finds is refused, or its records cannot be read (issue 9, "Visibility")."""
-        if report.peers_seen > 1 and report.group_size <= 1 and not self.follower:
+        if report.peers_seen > 1 and report.group_size <= 1 and not self.follows_now:
             self.rounds_alone += 1
             if self.rounds_alone % self.cfg.alone_warn_rounds == 0:
                 logger.warning(f"averaged with nobody for {self.rounds_alone} rounds in a row although "

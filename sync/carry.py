@@ -333,6 +333,11 @@ class ChangeSender:
     def busy(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
 
+    def holds(self) -> bool:
+        """Whether something is kept for the next send."""
+        with self._lock:
+            return self._residual is not None
+
     def take(self, delta: list[torch.Tensor], weight: float) -> tuple[list[torch.Tensor], float]:
         """This round's change and tokens plus what earlier sends left behind (now owned by the caller)."""
         with self._lock:

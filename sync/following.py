@@ -28,6 +28,8 @@ class Following:
 
     def _init_following(self, bandwidth: float | None) -> None:
         self.follower = False
+        self._following_last = True  # what _follows_this_round last decided (logged when it changes)
+        self.follows_now = False  # this round: a follower that follows (not one among followers only)
         self._change_sender = ChangeSender()
         inbox = self.exchange.carried
         inbox.shapes = [tuple(p.shape) for p in self.shared.params]
@@ -53,17 +55,42 @@ class Following:
         all-reduce contribution holds it; returns the tokens that trained it, for that contribution's weight."""
         if self.unfollow_why is None or not self.follower or self._change_sender.busy():
             return 0.0
-        with torch.no_grad():
-            zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.shared.params]
-            residual, tokens = self._change_sender.take(zeros, 0.0)
-            for param, change in zip(self.shared.params, residual):
-                param.add_(change.to(param.device, param.dtype))
+        tokens = self._take_back_unsent()
         why, self.unfollow_why, self.follower = self.unfollow_why, None, False
         self.swarm.record.follows = False  # stored with this round's record: the others wait for it again
         logger.info(f"{why}: at or above sync.follow_below_mbit ({self.cfg.follow_below_mbit:g}), this peer joins "
                     f"the shared all-reduce again from this round"
                     + (f" (its change that no carrier took, {tokens:g} tokens, goes with it)" if tokens else ""))
         return tokens
+
+    def _take_back_unsent(self) -> float:
+        """What no carrier took of this peer's changes (8-bit rounding, a refused or failed send) goes back into its
+        shared tensors, for an all-reduce contribution to hold it; returns the tokens that trained it. Only while
+        no send is on its way (the caller checks)."""
+        with torch.no_grad():
+            zeros = [torch.zeros(p.shape, dtype=torch.float32) for p in self.shared.params]
+            residual, tokens = self._change_sender.take(zeros, 0.0)
+            for param, change in zip(self.shared.params, residual):
+                param.add_(change.to(param.device, param.dtype))
+        return tokens
+
+    def _follows_this_round(self, others: dict[str, PeerRecord]) -> bool:
+        """(Round start) Whether this follower follows in this round: only while some live peer averages. When
+        every peer of the run follows (home lines all below sync.follow_below_mbit), nobody would serve a result
+        or carry a change, and the shared tensors would never be averaged: they all-reduce among themselves
+        instead (each expects all of them, `_expected_group`), slow as their links are, until a peer that
+        averages is there again. What no carrier took of this peer's changes goes into that contribution."""
+        if not self.follower:
+            return False
+        following = not others or any(not r.follows for r in others.values())
+        if following != self._following_last:
+            self._following_last = following
+            if not following:
+                logger.info(f"every other peer of the run ({len(others)}) follows too: this round and the next "
+                            f"ones all-reduce among the followers, until a peer that averages is there again")
+            else:
+                logger.info("a peer that averages is there again: this peer follows again")
+        return following
 
     def _sender_follows(self, peer_id: str) -> bool:
         """(Exchange loop) A change is taken only from a peer whose signed record says it follows: one that

@@ -50,7 +50,10 @@ class SwarmProgress:
                 records = self.swarm.peers()
                 self._records, self._read_at = records, time.monotonic()
                 if self.swarm.peer_id in records:  # a read lacking this peer's own record tells nothing
-                    alone = not any(not r.follows for p, r in records.items() if p != self.swarm.peer_id)
+                    # Followers never join a group, unless this peer follows too (then they all-reduce among
+                    # themselves when nobody else averages: sync/following.py `_follows_this_round`).
+                    mine = records[self.swarm.peer_id].follows
+                    alone = not any(mine or not r.follows for p, r in records.items() if p != self.swarm.peer_id)
                     self._reads_without_others = self._reads_without_others + 1 if alone else 0
                     if self.on_read is not None:
                         self.on_read(records)

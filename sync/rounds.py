@@ -63,11 +63,12 @@ logger = get_logger(__name__)
 STOP_GRACE = 6.0  # seconds a stopping peer still waits for its pending round (then checkpoint, leave: < 10 s)
 
 
-def _expected_group(others: dict[str, PeerRecord], round_id: int) -> int:
+def _expected_group(others: dict[str, PeerRecord], among_followers: bool = False) -> int:
     """How many peers (this one included) a round's all-reduce waits for: every live peer but followers
-    (sync.follow_below_mbit), which never join an all-reduce. Slower peers are waited for (at most
+    (sync.follow_below_mbit), which never join an all-reduce, or all of them when every peer follows
+    (`among_followers`, sync/following.py `_follows_this_round`). Slower peers are waited for (at most
     matchmaking_time): they join the round early (sync.progress) and their tokens count."""
-    return 1 + sum(not r.follows for r in others.values())
+    return 1 + (len(others) if among_followers else sum(not r.follows for r in others.values()))
 
 
 def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
@@ -230,16 +231,21 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         # (test_closed_run). A peer that left within the last seconds costs one matchmaking window instead.
         others = {**self.progress.others(max_age=2 * self.progress.poll + 1), **self._others()}
         report.peers_seen = len(others) + 1
-        report.expected = _expected_group(others, self.round_id)
+        self.follows_now = self._follows_this_round(others)
+        among_followers = self.follower and not self.follows_now
+        if among_followers and self._change_sender.holds() and not self._change_sender.busy():
+            tokens_since_last += int(self._take_back_unsent())
+            self.shared.take_snapshot()  # again: the contribution holds it now
+        report.expected = _expected_group(others, among_followers)
         replicated = any(set(r.experts) == set(own) for r in others.values())
         expert_avg = self._expert_averager(own, replicated)
-        if self.follower and others and median_round(others.values()) > self.round_id:
+        if self.follows_now and others and median_round(others.values()) > self.round_id:
             # A follower takes the swarm's shared tensors every round anyway: it is never "behind", it only
             # keeps its round number with the swarm's, so that its record and expert copies are labelled alike.
             self.round_id = report.round_id = median_round(others.values())
             for expert, snapshot in own.items():
                 self.exchange.publish(self.round_id, expert, snapshot)
-        behind = bool(others) and not self.follower and median_round(others.values()) > self.round_id + 1
+        behind = bool(others) and not self.follows_now and median_round(others.values()) > self.round_id + 1
         # A peer that trained less than a full round (it joined the swarm's round early, sync.progress) changed
         # its tensors less than the others changed theirs: scale its yardstick up, as SharedAverager.check_result.
         short = self.max_weight / max(tokens_since_last, 1) if math.isfinite(self.max_weight) else 1.0
@@ -266,14 +272,14 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         `shared_weight`: the shared all-reduce's weight (with carried changes folded in; default `weight`)."""
         want = set(range(self.model.cfg.num_experts))
         rejected_before = self.rejects.total()
-        if not average or self.follower:
+        if not average or self.follows_now:
             self.shared.cancel_ahead()  # a group formed ahead (sync.schedule) that this round will not join
         net_started, during = time.perf_counter(), CopiesDuring()
         # The all-reduce runs first, on a link that carries nothing else, and the expert copies follow it: copies
         # fetched during the matchmaking delayed the group, and a slow owner's served copies would compete with its
         # own all-reduce upload that its whole group waits for. sync.copies_during_allreduce asks for them once the
         # group formed instead (docs/DESIGN.md, "Bandwidth-aware rounds": 0.06 lower ratio on equal links).
-        if average and self.follower:
+        if average and self.follows_now:
             self._follow_round(report, others_at_start, weight)
         elif average:
             early = None
@@ -367,8 +373,13 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
                 self._serve_result(report.round_id)
             elif folded:  # carried changes that reached nobody: held for the next round (sync/following.py)
                 self._return_carried(folded)
-            elif report.followed is not None and not self.shared.apply_followed(report.followed):
-                logger.warning("no peer served valid shared tensors this round: keeping the local ones")
+            elif self.follows_now and not (report.followed is not None
+                                           and self.shared.apply_followed(report.followed)):
+                if report.followed is not None:
+                    logger.warning("no peer served valid shared tensors this round: keeping the local ones")
+                # The change up to this round's snapshot went to a carrier or is kept for the next send: the next
+                # change is measured from here, or it would hold this one a second time.
+                self.shared.rebase_on_snapshot()
             report.followed = None  # applied: do not keep a copy of the shared tensors alive in the report
             if report.expert_group_size > 1 and self._expert_avg is not None:
                 report.rejected += self._expert_avg.apply(tokens=pending.weight)

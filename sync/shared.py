@@ -448,6 +448,11 @@ class SharedAverager:
             for anchor, param in zip(self.anchor, self.params):
                 anchor.copy_(param.detach())
 
+    def rebase_on_snapshot(self) -> None:
+        """A follower's round without a download: the snapshot becomes the base its next change is measured from."""
+        for synced, snap in zip(self.synced, self.snapshot):
+            synced.copy_(snap)
+
     @torch.no_grad()
     def apply_followed(self, candidates: list[list[torch.Tensor]]) -> bool:
         """A follower's round (sync.follow_below_mbit): the swarm's shared tensors, downloaded, take the place of

@@ -267,7 +267,8 @@ def test_followers_with_nobody_to_follow_all_reduce_among_themselves(swarm_facto
     for h in homes:
         assert h.sync.follower  # still followers: they follow again once a peer that averages is there
         for name, value in shared_params(h).items():
-            torch.testing.assert_close(value, (before[0][name] + before[1][name]) / 2, rtol=1e-5, atol=1e-6)
+            # (declared slow uplinks send their parts fp16: rounding of about 1e-5 here, the changes are 1e-2)
+            torch.testing.assert_close(value, (before[0][name] + before[1][name]) / 2, rtol=1e-3, atol=1e-4)
         assert h.sync._change_sender.take([torch.zeros(1)], 0.0)[1] == 0.0  # nothing kept to send again
 
 
