@@ -178,11 +178,13 @@ class Scheduling:
         after at least every/10 steps, and after training at least as long as its last round took) when the
         other peers' median round is already past this peer's: it is slower than them, and joins the round they
         are in with the tokens it trained (sync.progress)."""
+        # (Not at the run's last step: nothing is left to train while waiting, and a round held or deferred
+        # there never started: a 20-step run's peer ended without its second round while the other peer's
+        # looked for it, bench.convergence's smoke run in a CI simulation.)
+        last_step = self._steps_left is not None and self._steps_left <= 1
+        if self._measuring_first() and not last_step:
+            return False  # it trains on until its first uplink reading is in (sync/uplink.py)
         if steps_since_round >= self.cfg.every:
-            # (Not at the run's last step: nothing is left to train while waiting, and a round held or deferred
-            # there never started: a 20-step run's peer ended without its second round while the other peer's
-            # looked for it, bench.convergence's smoke run in a CI simulation.)
-            last_step = self._steps_left is not None and self._steps_left <= 1
             if not last_step and (self._defer(steps_since_round) or self._hold(steps_since_round)):
                 return False
             # Steps held for a later peer are borrowed from the next interval (the caller counts the next round

@@ -44,6 +44,7 @@ MAX_PROBES = 3  # attempts (one per round while no target answered), then the up
 # sinks' COOLDOWN first (they would refuse it as busy).
 BUSY_PROBE_AFTER = 10.0
 CONFIRM_AFTER = COOLDOWN + 1.0
+FIRST_READING_WAIT = PROBE_SECONDS + 5.0  # the most a round waits for a peer's first reading (see _measuring_first)
 
 _PAYLOAD = runtime_pb2.ExpertRequest(metadata=os.urandom(CHUNK_BYTES))  # incompressible, built once
 
@@ -146,6 +147,15 @@ class UplinkMeasuring:
         if now < self._probe_retry_at:
             return False
         return idle or now - self._last_probe_at > BUSY_PROBE_AFTER
+
+    def _measuring_first(self) -> bool:
+        """(Training thread, round_due) Whether this peer's first probe is still running: its rounds wait for the
+        reading (at most FIRST_READING_WAIT s from the probe's start) and it trains on meanwhile. A round it joined
+        before would run at its uplink's pace for the whole group when that is slow: 45-53 s for every peer of
+        bench.wan `mixed`'s first round (a 5 Mbit/s home peer in a group of 4), and a first round of 3 in
+        tests/test_netns.py; after the reading it follows, or takes a small share of each all-reduce."""
+        return (self._probing and self.measured_upload is None and not self.follower
+                and time.monotonic() - self._last_probe_at < FIRST_READING_WAIT)
 
     def _maybe_measure_uplink(self, others: dict) -> None:
         if self._probes_left <= 0 or self._probing or not others:
