@@ -184,7 +184,9 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         return seen
 
     def _others(self, records: dict[str, PeerRecord] | None = None) -> dict[str, PeerRecord]:
-        records = self.swarm.peers() if records is None else records
+        if records is None:
+            records = self.swarm.peers()
+            self.progress.offer(records)  # the freshest view, for the steps until the reader's next read
         return {p: r for p, r in records.items() if p != self.swarm.peer_id}
 
     def _reset_expert_references(self) -> None:
