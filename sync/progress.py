@@ -71,10 +71,11 @@ class SwarmProgress:
         (a round's start and end read them anyway, and the reader's first read may have come before any record
         was stored: a look-ahead right after a peer's first round then found no view, tests/test_schedule.py)."""
         me = self.swarm.peer_id
-        if me not in records:
-            # Not even this peer's own record (stored at join, refreshed by the heartbeat): the read tells nothing
-            # and the last view is kept (it ages out by others' max_age). It used to replace the view, and an
-            # empty view made a group looked for ahead of a round expect this peer alone.
+        if not records:
+            # No record at all, not even this peer's own (stored at join): the read tells nothing and the last
+            # view is kept (it ages out by others' max_age). It used to replace the view, and an empty view made a
+            # group looked for ahead of a round expect this peer alone. (A read with others but without this
+            # peer's own record, as a follower's reads were for seconds after it stored its record, does count.)
             return
         if set(records) == {me} and len(self._records) > 1 and self._partial_kept < PARTIAL_READS_KEPT:
             # Its own record alone, right after a read that showed others: most likely partial (the local
