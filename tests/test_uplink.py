@@ -239,6 +239,38 @@ def test_a_failed_probe_waits_out_the_sinks_cooldown_before_the_next_attempt(swa
     assert home.measured_upload == 50.0 and readings == []
 
 
+def test_rounds_wait_for_the_first_reading_while_its_probe_runs(swarm_factory, monkeypatch):
+    """A peer whose first probe is still running trains on instead of starting a round (a slow uplink in that
+    round's group would set its pace for everyone); once the reading is in, the round is due."""
+    import threading
+
+    import sync.uplink
+
+    peers = [swarm_factory([e], sync_cfg(), join=False) for e in range(2)]
+    release = threading.Event()
+
+    def slow_probe(targets):
+        release.wait(10)
+        return 50.0
+
+    monkeypatch.setattr(peers[1].sync.exchange, "measure_upload", slow_probe)
+    for peer in peers:
+        peer.sync.join(step=0, tokens=0)
+    home = peers[1].sync
+    assert home._probing and home._measuring_first()
+    assert not home.round_due(home.cfg.every) and not home.round_due(home.cfg.every + 50)
+    release.set()
+    deadline = time.monotonic() + 10
+    while home._probing and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert home.measured_upload == 50.0 and not home._measuring_first()
+    assert home.round_due(home.cfg.every)
+    monkeypatch.setattr(sync.uplink, "FIRST_READING_WAIT", 0.0)  # and the wait is bounded
+    home._probing, home.measured_upload = True, None
+    assert not home._measuring_first()
+    home._probing = False
+
+
 def test_a_measured_follower_measures_again_and_joins_the_allreduce_once_its_uplink_is_fast(swarm_factory,
                                                                                                 monkeypatch):
     """A follower whose uplink was measured measures it again (sync.follower_reprobe_s): a slow reading keeps it
