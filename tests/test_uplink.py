@@ -147,6 +147,23 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_codec():
     assert len(slow.compress(part, part_info).buffer) == len(plain.compress(part, part_info).buffer) / 2
 
 
+def _joined_with_readings(swarm_factory, monkeypatch, readings: list[list[float]]) -> list:
+    """Peers whose probes read `readings[i]` in turn (the last one from then on), joined; returns once the last
+    peer's first reading is in."""
+    cfg = sync_cfg(matchmaking_time=4.0)
+    peers = [swarm_factory([e], cfg, join=False) for e in range(len(readings))]
+    for peer, rates in zip(peers, readings):
+        monkeypatch.setattr(peer.sync.exchange, "measure_upload",
+                            lambda targets, rates=rates: rates.pop(0) if len(rates) > 1 else rates[0])
+    for peer in peers:
+        peer.sync.join(step=0, tokens=0)
+    last = peers[-1].sync
+    deadline = time.monotonic() + 10
+    while (last._probing or last.measured_upload is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return peers
+
+
 def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkeypatch):
     """A 5 Mbit/s uplink, measured (nobody declared it), makes the peer a follower at once (sync.follow_below_mbit,
     20 by default): its record says so, and the others' next round neither waits for it nor counts it. A second
@@ -154,16 +171,8 @@ def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkey
     import sync.uplink
 
     monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
-    cfg = sync_cfg(matchmaking_time=4.0)
-    peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
-    for peer, rate in zip(peers, (95.0, 110.0, 5.0)):
-        monkeypatch.setattr(peer.sync.exchange, "measure_upload", lambda targets, rate=rate: rate)
-    for peer in peers:
-        peer.sync.join(step=0, tokens=0)
+    peers = _joined_with_readings(swarm_factory, monkeypatch, [[95.0], [110.0], [5.0]])
     home = peers[2].sync
-    deadline = time.monotonic() + 10
-    while (home._probing or home.measured_upload is None) and time.monotonic() < deadline:
-        time.sleep(0.05)
     # One reading: it follows, and its record is stored at once; a second probe, between rounds, decides.
     assert home.follower and home._probes_left == 1 and home._reprobe_at is None
     assert not peers[0].sync.follower and not peers[1].sync.follower
@@ -188,18 +197,9 @@ def test_a_first_slow_reading_that_the_second_does_not_confirm_ends_following(sw
     import sync.uplink
 
     monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
-    cfg = sync_cfg(matchmaking_time=4.0)
-    peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
-    readings = [[95.0], [110.0], [4.4, 90.0]]
-    for peer, rates in zip(peers, readings):
-        monkeypatch.setattr(peer.sync.exchange, "measure_upload",
-                            lambda targets, rates=rates: rates.pop(0) if len(rates) > 1 else rates[0])
-    for peer in peers:
-        peer.sync.join(step=0, tokens=0)
+    peers = _joined_with_readings(swarm_factory, monkeypatch, [[95.0], [110.0], [4.4, 90.0]])
     home = peers[2].sync
     deadline = time.monotonic() + 10
-    while (home._probing or home.measured_upload is None) and time.monotonic() < deadline:
-        time.sleep(0.05)
     assert home.follower and home._probes_left == 1
     home.note_step(steps_since_round=1)
     while (home._probing or home._probes_left) and time.monotonic() < deadline:
