@@ -37,6 +37,8 @@ _ROUNDING = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
 
 
 # Bytes per value of an expert copy on the wire, per sync.compression (8-bit: 1 byte + a small codebook).
+# How many times this peer's own pace a copy's owner may claim to have trained at (`_change_ok`).
+OWNER_PACE_CAP = 10
 _WIRE_BYTES = {"none": 4, "fp16": 2, "8bit": 1}
 
 
@@ -292,12 +294,14 @@ class ExpertFetching:
             if tensors is None and reason is not None:
                 self.rejects.add(reason)
             elif rel_change is not None and synced is not None and not self._change_ok(expert, tensors, synced,
-                                                                                       rel_change):
+                                                                                       rel_change, peer_id):
                 tensors, reason = None, "delta"
                 self.rejects.add(reason)
             if tensors is None:
                 logger.warning(f"refused expert {expert} from peer ...{peer_id[-6:]}: {reason}")
                 continue
+            if peer_id in self._owner_steps:
+                self._taking[(expert, peer_id)] = self._owner_steps[peer_id]
             received.setdefault(expert, []).append((getattr(copy, "round", self.round_id), tensors))
 
     def _expert_grace(self, owners: dict[int, list[str]], own: dict[int, Snapshot]) -> float:
@@ -315,12 +319,28 @@ class ExpertFetching:
                    if (e, p) in self._inflight and not self._inflight[(e, p)].late)
         return min(self.cfg.round_timeout, max(2.0, 2.0 * need / rate + 1.0))
 
-    def _change_ok(self, expert: int, tensors: Snapshot, synced: Snapshot, rel_change: float) -> bool:
+    def _owner_rounds(self, expert: int, peer_id: str) -> float | None:
+        """Rounds' worth of steps (sync.every each) the owner's signed record says it trained since its copy of
+        `expert` was last taken here; None if either step is unknown (its first copy, an owner of a new record)."""
+        now, then = self._owner_steps.get(peer_id), self._taken_at_step.get((expert, peer_id))
+        if now is None or then is None or now <= then:
+            return None
+        return (now - then) / max(self.cfg.every, 1)
+
+    def _change_ok(self, expert: int, tensors: Snapshot, synced: Snapshot, rel_change: float,
+                   peer_id: str | None = None) -> bool:
         """Is a copy's change from the expert's last synchronized value in proportion to an honest round's?"""
         change = math.sqrt(sum(float(torch.linalg.vector_norm(tensors[k].float() - synced[k].float())) ** 2
                                for k in synced))
         size = math.sqrt(sum(float(torch.linalg.vector_norm(synced[k].float())) ** 2 for k in synced))
         rounds = 1 + self._stale.get(expert, 0)
+        # An owner that trained more steps than this peer did meanwhile (a follower joins no group and trains on
+        # while the others wait for theirs: 80 steps to their 10 in a netns test) moved its expert by that many
+        # rounds' worth; its record's step says how many. Believed up to OWNER_PACE_CAP times this peer's own
+        # rounds, so a record that lies about its steps widens the bound by that much at most.
+        owner_rounds = self._owner_rounds(expert, peer_id) if peer_id is not None else None
+        if owner_rounds is not None:
+            rounds = max(rounds, min(owner_rounds, OWNER_PACE_CAP * rounds))
         # A frozen copy kept in bf16/fp16 differs from the owner's fp32 tensor by its rounding error alone
         # (up to 2^-9 / 2^-11 of each element): early rounds change an expert by about that much, so without
         # this floor every honest copy of round 1 was refused as "delta".

@@ -110,6 +110,11 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         # since each expert was last synchronized, and owners that let a fetch time out (short timeouts after).
         self._expert_synced: dict[int, Snapshot] = {}
         self._stale: dict[int, int] = {}
+        # Owners' steps as their signed records said at this round's start, and at the copy of each (expert,
+        # owner) last taken: how far a faster owner trained between two copies (sync/fetch.py `_change_ok`).
+        self._owner_steps: dict[str, int] = {}
+        self._taken_at_step: dict[tuple[int, str], int] = {}
+        self._taking: dict[tuple[int, str], int] = {}
         self._strikes: dict[str, int] = {}
         self._asked: dict = {}  # (expert, owner) -> the round it was last asked for (sync/fetch.py): once a round
         self._inflight: dict = {}  # (expert, owner) -> its running fetch (sync/fetch.py): asked once, used when it arrives
@@ -233,6 +238,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         # (test_closed_run). A peer that left within the last seconds costs one matchmaking window instead.
         others = {**self.progress.others(max_age=2 * self.progress.poll + 1), **self._others()}
         report.peers_seen = len(others) + 1
+        self._owner_steps = {p: int(r.step) for p, r in others.items()}  # replaced whole: the network thread reads it
         self.follows_now = self._follows_this_round(others)
         among_followers = self.follower and not self.follows_now
         if among_followers and self._change_sender.holds() and not self._change_sender.busy():
@@ -399,6 +405,10 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
                 self._stale[expert] = self._stale.get(expert, 0) + 1
             for expert in means:
                 self._stale.pop(expert, None)
+            for (expert, owner), step in self._taking.items():
+                if expert in means:
+                    self._taken_at_step[(expert, owner)] = step
+            self._taking = {}
         self._track_alone(report)
         # A peer that is itself stopping changes no ownership: peers stopped together (Ctrl-C on a machine running
         # several, a test's teardown) adopted each other's experts in their last round after one's tombstone

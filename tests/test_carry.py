@@ -292,3 +292,59 @@ def test_a_follower_whose_download_failed_sends_only_its_new_change_next(swarm_f
     for name, d in zip(names, delta):
         torch.testing.assert_close(d, second[name], rtol=1e-5, atol=1e-6)
         assert float(torch.linalg.vector_norm(first[name])) > 0
+
+
+@torch.no_grad()
+def _move_experts(peer: Peer, seed: int, times: float = 1.0) -> None:
+    """Move the peer's owned experts by `times` steps along the direction of `seed` (1e-4 per element: a relative
+    change of about 0.5 % per step, as real training's). Real training keeps a direction for a while, so its
+    steps add up: the same seed again continues it (random noise per round would grow only as the square root)."""
+    g = torch.Generator().manual_seed(seed)
+    for e in sorted(peer.model.owned_experts):
+        for bank in peer.model.expert_banks():
+            for name in ("gate_up_proj", "down_proj"):
+                t = getattr(bank.bank[e], name)
+                t.add_(torch.randn(t.shape, generator=g) * 1e-4 * times)
+
+
+def test_a_faster_owners_copy_spanning_its_steps_is_taken_not_refused(swarm_factory):
+    """A follower joins no group, so it trains on while the others wait for theirs: its experts' copies then span
+    more of its steps than one of the receivers' rounds (bench runs: 80 steps to their 10). Such a copy is taken,
+    its allowed change widened by the steps its owner's signed record says it trained since the last copy taken
+    (up to OWNER_PACE_CAP times this peer's own rounds); beyond that cap it is refused."""
+    from sync.fetch import OWNER_PACE_CAP
+    a, b, home = _swarm_with_follower(swarm_factory)
+
+    def rounds(peers: list[Peer], step: int) -> list:
+        for peer in peers:
+            peer.sync.start_round(step=step, tokens=100, tokens_since_last=100)
+        return [peer.sync.finish_round(block=True) for peer in peers]
+
+    def delta_refusals() -> list[int]:
+        return [p.sync.rejects.counts().get("delta", 0) for p in (a, b)]
+
+    for seed, peer in enumerate((a, b, home)):
+        _move_experts(peer, seed=seed)
+    rounds([a, b, home], step=1)  # everyone takes the others' copies of step 1
+    for step in range(2, 10):  # the follower trains 8 rounds ahead of the others, in one direction
+        _move_experts(home, seed=2)
+        rounds([home], step=step)
+    _wait(lambda: a.sync.progress.others().get(home.swarm.peer_id).step == 9, 15, "home's record of step 9")
+    for seed, peer in enumerate((a, b), start=10):
+        _move_experts(peer, seed=seed)
+    before = delta_refusals()
+    reports = rounds([a, b], step=2)
+    assert delta_refusals() == before and all(3 in r.experts_synced for r in reports), reports
+    for peer in (a, b):
+        for bank, home_bank in zip(peer.model.expert_banks(), home.model.expert_banks()):
+            torch.testing.assert_close(bank.bank[3].down_proj.float(), home_bank.bank[3].down_proj.float(),
+                                       rtol=1e-2, atol=1e-4)
+    # A claimed pace is believed up to OWNER_PACE_CAP times this peer's own: a record 100 rounds on whose copy moved
+    # 6 x OWNER_PACE_CAP rounds' worth is refused (it would pass at the 100 rounds the record claims).
+    _move_experts(home, seed=2, times=6 * OWNER_PACE_CAP)
+    rounds([home], step=109)
+    _wait(lambda: a.sync.progress.others().get(home.swarm.peer_id).step == 109, 15, "home's record of step 109")
+    for seed, peer in enumerate((a, b), start=20):
+        _move_experts(peer, seed=seed)
+    reports = rounds([a, b], step=3)
+    assert delta_refusals() == [n + 1 for n in before] and not any(3 in r.experts_synced for r in reports), reports
