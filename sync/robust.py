@@ -12,10 +12,10 @@ contribution lies within tau of the plain weighted mean, that mean is a fixed po
 with nobody attacking, robust aggregation *is* plain averaging. tau has a floor from the spread of the parts a
 reducer saw before (`AggregationPolicy`), for parts where most rows coincide (honest sparse updates).
 
-`RobustTensorPartReducer` puts it inside hivemind's butterfly all-reduce: every reducer collects all senders'
-copies of its part (hivemind only keeps a running sum), drops non-finite ones, caps each claimed weight at the
-tokens a peer can train in one round, and returns the clipped mean. It is installed by `install_robust_reducer`
-inside an averager's own (forked) process only.
+`install_robust_reducer` puts it inside hivemind's butterfly all-reduce (through sync/reducer.py): every reducer
+collects all senders' copies of its part (hivemind only keeps a running sum), drops non-finite ones, caps each
+claimed weight at the tokens a peer can train in one round, and returns the clipped mean. It is installed inside
+an averager's own (forked) process only.
 """
 from __future__ import annotations
 
@@ -195,44 +195,6 @@ class AggregationPolicy:
 
 def install_robust_reducer(policy: AggregationPolicy) -> None:
     """Make hivemind's all-reduce in *this process* reduce with `policy` (call inside the averager process)."""
-    from hivemind.averaging import allreduce
-    from hivemind.averaging.partition import BannedException, TensorPartReducer, AllreduceException
+    from sync.reducer import install_reducer
 
-    class RobustTensorPartReducer(TensorPartReducer):
-        """hivemind's reducer, keeping every sender's copy of the current part instead of a running sum."""
-
-        def reset_accumulators(self) -> None:
-            self._parts: list[torch.Tensor] = []
-            self._weights: list[float] = []
-            super().reset_accumulators()
-
-        async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
-                                  weight: float = 1.0) -> torch.Tensor:
-            assert 0 <= sender_index < self.num_senders, "invalid sender index"
-            assert 0 <= part_index < self.num_parts, "invalid part index"
-            self.num_parts_received[sender_index] += 1
-            while part_index > self.current_part_index:  # as hivemind: wait for the previous parts
-                import asyncio
-                await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if self.finished.is_set():
-                    raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
-            if self.sender_failed_after[sender_index] != float("inf"):
-                raise BannedException(f"sender {sender_index} was banned in background")
-            assert part_index == self.current_part_index
-            current_part_future = self.current_part_future
-            if part_index < self.sender_failed_after[sender_index]:
-                self._parts.append(tensor_part)
-                self._weights.append(float(weight))
-                self.current_part_accumulated_from += 1
-                self.check_current_part_finished()
-            return await current_part_future
-
-        def check_current_part_finished(self) -> None:
-            assert self.current_part_accumulated_from <= self.num_current_senders
-            if self.current_part_accumulated_from == self.num_current_senders:
-                shape = self.part_shapes[self.current_part_index]
-                self.current_part_future.set_result(policy.aggregate(self._parts, self._weights, shape))
-                self.reset_accumulators()
-
-    allreduce.TensorPartReducer = RobustTensorPartReducer
+    install_reducer(policy.aggregate)
