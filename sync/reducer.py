@@ -146,15 +146,19 @@ async def accumulate_parts_streaming(runner, stream: AsyncIterator, sender_index
     async def read() -> None:
         part_index = 0
         try:
+            def decode(msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor, float, int]:
+                return allreduce.deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+
             async for tensor_part, weight, compression in amap_in_executor(
-                    lambda msg: (allreduce.deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                    stream, max_prefetch=runner.tensor_part_container.prefetch):
+                    decode, stream, max_prefetch=runner.tensor_part_container.prefetch):
                 await room.acquire()
                 filed.put_nowait((reducer.submit_part(sender_index, part_index, tensor_part, weight), tensor_part,
                                   compression))
                 part_index += 1
         except BannedException:
             logger.debug(f"sender {sender_index} is already banned")
+        except asyncio.CancelledError:
+            raise  # the handler ended (finalized, or the sender is gone): whoever ended it decides about a ban
         except BaseException:
             # Its later parts are reduced without it at once, not when its results run out.
             await runner._ban_sender(runner.sender_peer_ids[sender_index])
@@ -163,7 +167,7 @@ async def accumulate_parts_streaming(runner, stream: AsyncIterator, sender_index
             filed.put_nowait(None)
 
     reader = asyncio.create_task(read())
-    written = 0
+    written, finalized = 0, False
     try:
         while (item := await filed.get()) is not None:
             future, tensor_part, compression = item
@@ -171,14 +175,16 @@ async def accumulate_parts_streaming(runner, stream: AsyncIterator, sender_index
                 averaged_part = await asyncio.shield(future)  # the future is every sender's (accumulate_part)
             except asyncio.CancelledError:
                 if future.cancelled():
-                    break  # finalized: the all-reduce ended (or failed) without this part
+                    finalized = True  # the all-reduce ended (or failed) without this part
+                    break
                 raise
             room.release()
             delta = await loop.run_in_executor(
                 None, lambda: allreduce.serialize_torch_tensor(averaged_part - tensor_part, compression))
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=delta)
             written += 1
-        await reader  # its error (a timeout, a malformed part) ends this stream as hivemind's did
+        if not finalized:  # (a finalized reducer's reader may wait for room forever: cancelled below)
+            await reader  # its error (a timeout, a malformed part) ends this stream as hivemind's did
     finally:
         if not reader.done():
             reader.cancel()

@@ -128,3 +128,21 @@ def test_a_sender_whose_stream_breaks_is_banned_at_once():
         assert all(f.done() for f in other)  # parts 2-3 were reduced without it
         torch.testing.assert_close(other[3].result(), torch.full((4,), 5.0))
     asyncio.run(main())
+
+
+def test_a_handler_waiting_for_a_part_ends_when_the_all_reduce_is_finalized(monkeypatch):
+    """The all-reduce failed or ended (finalize cancels every part's future): a sender's handler waiting for a
+    result, with its reader waiting for room, ends at once instead of hanging."""
+    monkeypatch.setattr(reducer_mod, "READ_AHEAD_PARTS", 1)
+
+    async def main():
+        r = StreamingPartReducer([torch.Size([4])] * 3, num_senders=2, aggregate=_mean)
+        runner = _Runner(r)
+        results = [m async for m in _until_finalized(r, accumulate_parts_streaming(runner, _stream(3, 0.0), 0))]
+        assert results == [] and runner.banned == ["a"]
+
+    async def _until_finalized(r, gen):
+        asyncio.get_event_loop().call_later(0.2, r.finalize)
+        async for m in gen:
+            yield m
+    asyncio.run(asyncio.wait_for(main(), 5))
