@@ -268,7 +268,9 @@ def _kill(peer: Peer) -> None:
 
 def test_peer_killed_mid_round_does_not_stall_the_others(swarm_factory):
     cfg = _sync_cfg(round_timeout=15.0)
-    a, b, c = swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)
+    # Uplinks declared, so no probe runs: an uplink probe during round 2, with c being killed, once read 18.4
+    # Mbit/s on loopback here and that peer followed in round 3 (group 1) as a measured slow uplink does.
+    a, b, c = (swarm_factory(owned, cfg, bandwidth=100.0) for owned in ([0, 1], [2], [3]))
     _round_all([a, b, c])
     for peer in (a, b, c):
         peer.sync.start_round(step=2, tokens=200, tokens_since_last=100)
