@@ -37,9 +37,9 @@ _ROUNDING = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
 
 
 # Bytes per value of an expert copy on the wire, per sync.compression (8-bit: 1 byte + a small codebook).
+_WIRE_BYTES = {"none": 4, "fp16": 2, "8bit": 1}
 # How many times this peer's own pace a copy's owner may claim to have trained at (`_change_ok`).
 OWNER_PACE_CAP = 10
-_WIRE_BYTES = {"none": 4, "fp16": 2, "8bit": 1}
 
 
 class _Fetch:
