@@ -131,6 +131,7 @@ class UplinkMeasuring:
         self._reprobe_at: float | None = None  # when a measured follower measures again (sync.follower_reprobe_s)
         self.unfollow_why: str | None = None  # set by a confirmed fast re-probe: stop following at the next round
         self._confirm_tries = 0
+        self._unsure_slow = False  # a slow reading from one probe target: the next reading decides (_decide_on)
         self._last_probe_at = time.monotonic()  # of the last attempt (or the start): see _probe_allowed
         self._probing = False
         self._probe_retry_at = 0.0  # monotonic: no attempt before (a failed one waits out the sinks' cooldown)
@@ -213,6 +214,17 @@ class UplinkMeasuring:
             self._confirmed(rate, len(targets))
         elif self.follower:
             self._reprobed(rate, len(targets))
+        elif rate < self.cfg.follow_below_mbit and len(targets) < 2 and not self._unsure_slow:
+            # One target's reading is the slower of this uplink and that target's download (and its load): a public
+            # 100 Mbit/s peer whose only target was the home peer (20 Mbit/s down) read 4.6 Mbit/s and followed, and
+            # its one partner then averaged alone and fell behind every round (tests/test_netns.py, in a CI
+            # simulation). It takes a small share of each all-reduce, as any slow uplink, until a second reading,
+            # after the sinks' cooldown, says whether it follows.
+            self._unsure_slow, self._probes_left = True, 1
+            self._probe_retry_at = time.monotonic() + CONFIRM_AFTER
+            logger.info(f"upload measured at {rate:.1f} Mbit/s with one probe target, below sync.follow_below_mbit "
+                        f"({self.cfg.follow_below_mbit:g}): measured again in {CONFIRM_AFTER:.0f} s before it follows "
+                        f"(a small share of each all-reduce meanwhile)")
         elif rate < self.cfg.follow_below_mbit:
             # It follows from now on, and a second probe (after the sinks' cooldown, at a step between rounds)
             # decides whether it keeps following: a 100 Mbit/s peer's probe at join, overlapping the first round's

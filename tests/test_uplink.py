@@ -190,6 +190,38 @@ def test_a_measured_uplink_below_follow_below_mbit_follows(swarm_factory, monkey
     assert home.follower and home.unfollow_why is None and home._reprobe_at is not None  # confirmed
 
 
+def test_a_slow_reading_from_one_probe_target_is_measured_again_before_following(swarm_factory, monkeypatch):
+    """A reading from one target is the slower of this uplink and that target's download: a public peer whose only
+    target was a home peer read 4.6 Mbit/s. It does not follow on it; it takes a small share meanwhile, and the
+    next reading decides (below: it follows; at or above: it never followed)."""
+    import sync.uplink
+
+    monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
+    peers = _joined_with_readings(swarm_factory, monkeypatch, [[95.0], [4.6, 4.0]])
+    home = peers[1].sync
+    assert not home.follower and home._unsure_slow and home._probes_left == 1 and home.bandwidth == 4.6
+    assert not peers[0].swarm.peers()[peers[1].swarm.peer_id].follows
+    home.note_step(steps_since_round=1)  # the second probe, at a step between rounds
+    deadline = time.monotonic() + 10
+    while (home._probing or home._probes_left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert home.follower and home.measured_upload == 4.0  # two slow readings: it follows
+
+
+def test_a_slow_reading_from_one_probe_target_that_the_next_does_not_confirm_never_follows(swarm_factory,
+                                                                                           monkeypatch):
+    import sync.uplink
+
+    monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)
+    fast = _joined_with_readings(swarm_factory, monkeypatch, [[95.0], [4.6, 90.0]])[1].sync
+    assert not fast.follower and fast._unsure_slow
+    fast.note_step(steps_since_round=1)
+    deadline = time.monotonic() + 10
+    while (fast._probing or fast._probes_left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not fast.follower and fast.measured_upload == 90.0
+
+
 def test_a_first_slow_reading_that_the_second_does_not_confirm_ends_following(swarm_factory, monkeypatch):
     """A fast uplink whose first probe read low (it shared the line with the first round, say) follows from that
     reading until the second: then, at or above sync.follow_below_mbit, it joins the all-reduce again at its next
