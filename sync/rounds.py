@@ -294,9 +294,13 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
             if self.cfg.copies_during_allreduce and others_at_start:
                 early = self._copies_while_reducing(others_at_start, want, own, rel_change, during)
             shared_weight = weight if shared_weight is None else shared_weight
-            report.group_size = max(1, self.shared.all_reduce(shared_weight, timeout=self.cfg.round_timeout,
-                                                              expected=report.expected, on_grouped=early,
-                                                              nobody_left=self._nobody_left))
+            # A slow uplink still in a group (measured from one target, or following turned off) serves its
+            # copies after its own all-reduce part, which the group waits for.
+            slow = self.bandwidth is not None and self.bandwidth < self.cfg.slow_uplink_mbit
+            with self.exchange.copies_held(slow):
+                report.group_size = max(1, self.shared.all_reduce(shared_weight, timeout=self.cfg.round_timeout,
+                                                                  expected=report.expected, on_grouped=early,
+                                                                  nobody_left=self._nobody_left))
             report.timing.update({k: v for k, v in self.shared.last_timing.items() if k in ("group", "all-reduce")})
             if others_at_start and not self._leaving:
                 # The copies of experts owned elsewhere are asked for now, from the owners the round's start read

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from contextlib import suppress
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterator
 
 import torch
 from hivemind.dht import DHT
@@ -55,6 +56,8 @@ logger = get_logger(__name__)
 PARTS_PER_MESSAGE = 16
 # A hostile server could stream forever inside the timeout; cap what one fetch may buffer.
 DEFAULT_MAX_FETCH_BYTES = 16 * 2**30
+# The longest a request waits while its owner holds its copies (hold_copies): past any all-reduce that ends.
+HOLD_AT_MOST = 120.0
 
 
 class _Entry:
@@ -141,6 +144,9 @@ class ExpertExchange(ExpertClient, StateDownloads):
         # to a peer that holds it (sync/copies.py). `held`: the copies this peer may pass on for others.
         self.pass_copies_on = False
         self.held = HeldCopies(keep_rounds)
+        # Cleared while this peer's own all-reduce runs on a slow uplink (copies_held): expert tensors then wait to
+        # go out until it is done, so copies asked during the all-reduce do not slow the part its group waits for.
+        self._serving_free: asyncio.Event | None = None
         self.redirects = {"sent": 0, "followed": 0}  # requesters this peer sent elsewhere / own fetches sent so
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
@@ -175,6 +181,8 @@ class ExpertExchange(ExpertClient, StateDownloads):
         # on their own event loops are then not bound to this loop, and our shutdown does not close theirs.
         get_maddr = DHT._get_p2p_daemon_listen_maddr  # what dht.replicate_p2p() itself asks the DHT process
         maddr = await asyncio.get_running_loop().run_in_executor(None, dht.run_coroutine, get_maddr)
+        self._serving_free = asyncio.Event()
+        self._serving_free.set()
         self._p2p = await P2P.replicate(maddr)
         await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
 
@@ -255,6 +263,29 @@ class ExpertExchange(ExpertClient, StateDownloads):
                                                                          entry, bf16)
         return await asyncio.shield(entry.job[bf16])
 
+    @contextlib.contextmanager
+    def copies_held(self, hold: bool) -> Iterator[None]:
+        """(Any thread) While inside with `hold`, requests for expert tensors are answered only once it ends (or
+        after HOLD_AT_MOST s): a peer whose uplink is slow holds them while its own all-reduce runs, since copies
+        asked during the all-reduce (sync.copies_during_allreduce) would share that uplink with the all-reduce
+        part its whole group waits for (docs/DESIGN.md, "Bandwidth-aware rounds")."""
+        if hold:
+            self._set_serving(False)
+        try:
+            yield
+        finally:
+            if hold:
+                self._set_serving(True)
+
+    def _set_serving(self, free: bool) -> None:
+        if not self._closed and self._serving_free is not None:
+            self._loop.call_soon_threadsafe(self._serving_free.set if free else self._serving_free.clear)
+
+    async def _wait_while_held(self) -> None:
+        if self._serving_free is not None and not self._serving_free.is_set():
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._serving_free.wait(), HOLD_AT_MOST)
+
     async def _serve(self, uid: str, metadata: bytes = b"", requester: PeerID | None = None,
                      ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The response stream for one request; never raises (a hostile request only ends its own stream).
@@ -278,6 +309,7 @@ class ExpertExchange(ExpertClient, StateDownloads):
             if held is None:
                 yield respond({"error": "missing"})
                 return
+            await self._wait_while_held()
             yield respond({"names": held.names, "round": held.round, "digest": held.digest})
             async for message in self._batched(part for group in held.groups for part in group):
                 yield message
@@ -302,6 +334,7 @@ class ExpertExchange(ExpertClient, StateDownloads):
                     entry.pass_on.serving(requester)
         complete = False
         try:
+            await self._wait_while_held()
             yield respond(meta)
             async for message in self._batched(part for tensor in serialized for part in split_for_streaming(tensor)):
                 yield message

@@ -70,6 +70,28 @@ def test_copies_asked_during_the_allreduce_arrive_whole(swarm_factory):
             _assert_experts_equal(_experts(peer)[expert], experts_before[owner][expert])
 
 
+def test_a_slow_uplink_in_a_group_holds_its_copies_while_its_all_reduce_runs(swarm_factory):
+    """A peer whose uplink is below sync.slow_uplink_mbit and still all-reduces (following turned off here; a
+    one-target reading does the same) serves the copies asked during the all-reduce only after its own part went
+    out; a fast peer holds nothing. Every copy still arrives."""
+    cfg = _sync_cfg(copies_during_allreduce=True, follow_below_mbit=0.0)
+    peers = [swarm_factory([0, 1], cfg, bandwidth=5.0), swarm_factory([2], cfg), swarm_factory([3], cfg)]
+    held: list[list[bool]] = [[], [], []]
+    for i, peer in enumerate(peers):
+        def spy(hold, copies_held=peer.sync.exchange.copies_held, calls=held[i]):
+            calls.append(hold)
+            return copies_held(hold)
+        peer.sync.exchange.copies_held = spy
+    for i, peer in enumerate(peers):
+        _local_training(peer, seed=i)
+    experts_before = [_experts(p) for p in peers]
+    reports = _round_all(peers)
+    assert held == [[True], [False], [False]], held
+    assert all(r.group_size == 3 and r.experts_missing == [] for r in reports), reports
+    for expert, owner in {0: 0, 1: 0, 2: 1, 3: 2}.items():
+        _assert_experts_equal(_experts(peers[1])[expert], experts_before[owner][expert])
+
+
 def test_copies_checked_during_the_allreduce_are_used_and_asked_once(swarm_factory):
     """sync.copies_during_allreduce: the copies that arrive while the all-reduce runs are checked then (not after
     it, when every link would sit idle for the checks: bench.wan), are applied, and no owner is asked again after

@@ -412,6 +412,24 @@ def test_copy_passed_on_wrong_is_refused_and_fetched_from_the_owner(dhts, dht_d,
     assert owner.redirects["sent"] == 1
 
 
+def test_copies_held_while_a_slow_uplinks_all_reduce_runs_go_out_after_it(dhts, make_exchange):
+    """A slow uplink still in an all-reduce group holds the copies asked meanwhile (sync.copies_during_allreduce)
+    until its all-reduce is done: its group waits for its part, the copies' fetchers only for the copies."""
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a, b = make_exchange(dht_a, ns), make_exchange(dht_b, ns)
+    expert = make_expert(3)
+    a.publish(1, 2, expert)
+    with a.copies_held(True):
+        asked = b.fetch_async(a.peer_id, 2, 1, timeout=30)
+        time.sleep(1.5)
+        assert not asked.done() and a.bytes_sent["expert"] == 0
+    got = asked.result(timeout=20)
+    assert got is not None and all(torch.equal(got[n], t) for n, t in expert.items())
+    with a.copies_held(False):  # a fast uplink holds nothing
+        assert b.fetch(a.peer_id, 2, 1, timeout=20) is not None
+
+
 def test_fetch_async_two_owners(dhts, make_exchange):
     dht_a, dht_b, dht_c = dhts
     ns = fresh_namespace()
