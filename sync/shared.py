@@ -27,6 +27,7 @@ from hivemind.utils.mpfuture import MPFuture
 from model.model import SpesMoE
 from sync.carry import CarriedChange, fold_changes, fold_room
 from sync.delta import apply_rebased_, rebased
+from sync.matchmaking import install_patient_matchmaking
 from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wire_counting
 from sync.config import SyncConfig
 from sync.swarm import Swarm
@@ -45,9 +46,10 @@ class _CountingAverager(DecentralizedAverager):
     """
 
     def __init__(self, *args, wire: WireCounter, gate=None, rejects: RejectCounter | None = None,
-                 policy: AggregationPolicy | None = None, **kwargs):
+                 policy: AggregationPolicy | None = None, begin_grace: float = 0.0, **kwargs):
         # Set before start(): the forked process needs them.
         self._wire, self._gate, self._rejects, self._policy = wire, gate, rejects, policy
+        self._begin_grace = begin_grace
         super().__init__(*args, **kwargs)
 
     def set_expected_group_size(self, size: int) -> None:
@@ -122,6 +124,7 @@ class _CountingAverager(DecentralizedAverager):
         install_wire_counting(self._wire)
         if self._policy is not None:
             install_robust_reducer(self._policy)
+        install_patient_matchmaking(self._begin_grace)
         super().run()
 
 
@@ -160,7 +163,7 @@ class SharedAverager:
             [p.detach().to("cpu", torch.float32).clone() for p in self.params], swarm.dht,
             prefix=prefix or f"{swarm.run_id}_shared", start=True, min_group_size=2,
             target_group_size=cfg.target_group_size if shared and cfg.target_group_size >= 2 else None,
-            min_matchmaking_time=matchmaking, request_timeout=min(3.0, matchmaking / 2),
+            min_matchmaking_time=matchmaking, request_timeout=min(3.0, matchmaking / 2), begin_grace=matchmaking,
             allreduce_timeout=cfg.round_timeout, next_chunk_timeout=min(10.0, cfg.round_timeout / 4),
             compression=self.compression, allow_state_sharing=shared and not client_mode, client_mode=client_mode,
             state_compression=CountingCompression(NoCompression(), self.wire), wire=self.wire,

@@ -1,0 +1,69 @@
+"""A group whose leader gives its go late still all-reduces as one group (sync/matchmaking.py).
+
+Two real SparseSync peers on 127.0.0.1. Around the moment a group forms, one peer's averager process is stopped
+(SIGSTOP) for longer than hivemind's request_timeout, as a stalled process or a retransmitted message delays a
+leader's BEGIN_ALLREDUCE. Without the follower's grace the group split in every such round: the leader kept its
+own values while hivemind reported a group of two, the follower found no group.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from sync.matchmaking import PatientMatchmaking
+from tests.conftest import local_training, round_all, shared_params, sync_cfg
+
+MATCHMAKING = 2.0  # the tests' matchmaking_time: request_timeout is 1 s, the follower's grace 2 s
+STALL = 1.6  # longer than request_timeout, shorter than request_timeout + grace
+
+
+def _stall_later(pid: int, after: float, seconds: float) -> threading.Thread:
+    def stall() -> None:
+        time.sleep(after)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    thread = threading.Thread(target=stall, name="stall-averager", daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_group_whose_leaders_go_is_late_still_averages_together(swarm_factory):
+    # No target size: the leader assembles its group when its matchmaking time is up (as when the records show a
+    # peer that does not come), not the moment the follower joins.
+    cfg = sync_cfg(matchmaking_time=MATCHMAKING, round_timeout=10.0, target_group_size=-1)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    # Each peer stalled once: which one leads depends on their expirations, and a stalled follower missed the go
+    # as well (its wait for it timed out while it was stopped).
+    for r, stalled in enumerate((a, b, a)):
+        for i, peer in enumerate((a, b)):
+            local_training(peer, seed=10 * r + i)
+        before = [shared_params(p) for p in (a, b)]
+        # The group forms at the leader's expiration, matchmaking_time after its step began looking.
+        thread = _stall_later(stalled.sync.shared.averager.pid, after=MATCHMAKING - 0.1, seconds=STALL)
+        try:
+            reports = round_all([a, b])
+        finally:
+            thread.join()
+        assert [rep.group_size for rep in reports] == [2, 2], f"round {r + 1}: the group split: {reports}"
+        for name, value in shared_params(a).items():
+            mean = (before[0][name] + before[1][name]) / 2
+            torch.testing.assert_close(value, mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(shared_params(b)[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_only_the_wait_for_the_go_grows():
+    """The wait for a leader's first answer stays hivemind's (it breaks two peers asking each other at once)."""
+    matchmaking = PatientMatchmaking.__new__(PatientMatchmaking)
+    matchmaking.begin_grace, matchmaking.request_timeout = 2.0, 1.0
+    assert matchmaking.request_timeout == 1.0  # nothing set up yet: no leader
+    matchmaking.current_leader = None
+    assert matchmaking.request_timeout == 1.0
+    matchmaking.current_leader = object()  # accepted by a leader: waiting for its go
+    assert matchmaking.request_timeout == 3.0
