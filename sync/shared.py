@@ -27,7 +27,7 @@ from hivemind.utils.mpfuture import MPFuture
 from model.model import SpesMoE
 from sync.carry import CarriedChange, fold_changes, fold_room
 from sync.delta import apply_rebased_, rebased
-from sync.matchmaking import install_patient_matchmaking
+from sync.matchmaking import heard_from, install_group_forming
 from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wire_counting
 from sync.config import SyncConfig
 from sync.swarm import Swarm
@@ -99,7 +99,12 @@ class _CountingAverager(DecentralizedAverager):
         for peer_id in group_info.peer_ids:
             if peer_id != self.peer_id and not await self._admits(peer_id):
                 raise AllreduceException(f"group {group_info.group_id.hex()[:8]} has an unadmitted member {peer_id}")
-        return await super()._aggregate_with_group(group_info, *args, **kwargs)
+        gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+        # A member that had left the group (sync/matchmaking.py) is not counted as averaged with.
+        runner = self._running_groups.get(group_info.group_id)
+        if runner is None or not runner.done() or runner.cancelled() or runner.exception() is not None:
+            return gathered
+        return heard_from(runner.result(), gathered)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -124,7 +129,7 @@ class _CountingAverager(DecentralizedAverager):
         install_wire_counting(self._wire)
         if self._policy is not None:
             install_robust_reducer(self._policy)
-        install_patient_matchmaking(self._begin_grace)
+        install_group_forming(self._begin_grace)
         super().run()
 
 

@@ -1,4 +1,5 @@
-"""A group whose leader gives its go late still all-reduces as one group (sync/matchmaking.py).
+"""A group whose leader gives its go late still all-reduces as one group, and one that split anyway is not counted
+as averaged with (sync/matchmaking.py).
 
 Two real SparseSync peers on 127.0.0.1. Around the moment a group forms, one peer's averager process is stopped
 (SIGSTOP) for longer than hivemind's request_timeout, as a stalled process or a retransmitted message delays a
@@ -19,6 +20,7 @@ from tests.conftest import local_training, round_all, shared_params, sync_cfg
 
 MATCHMAKING = 2.0  # the tests' matchmaking_time: request_timeout is 1 s, the follower's grace 2 s
 STALL = 1.6  # longer than request_timeout, shorter than request_timeout + grace
+LONG_STALL = 4.5  # longer than all the follower waits for the go, with its half second of head start
 
 
 def _stall_later(pid: int, after: float, seconds: float) -> threading.Thread:
@@ -56,6 +58,34 @@ def test_a_group_whose_leaders_go_is_late_still_averages_together(swarm_factory)
             mean = (before[0][name] + before[1][name]) / 2
             torch.testing.assert_close(value, mean, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(shared_params(b)[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_leader_whose_group_split_anyway_reports_what_it_averaged(swarm_factory):
+    """A go later than the grace: the follower has left, the leader's all-reduce hears nothing from it. Each
+    peer's report must say what its values show: a group of two with the mean, or alone with its own values."""
+    cfg = sync_cfg(matchmaking_time=MATCHMAKING, round_timeout=10.0, target_group_size=-1)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    alone = []
+    for r in range(2):
+        for i, peer in enumerate((a, b)):
+            local_training(peer, seed=10 * r + i)
+        before = [shared_params(p) for p in (a, b)]
+        # a starts looking half a second earlier: its expiration comes first, so it leads, and it is stalled.
+        thread = _stall_later(a.sync.shared.averager.pid, after=MATCHMAKING - 0.1, seconds=LONG_STALL)
+        try:
+            a.sync.start_round(step=1, tokens=100, tokens_since_last=100)
+            time.sleep(0.5)
+            b.sync.start_round(step=1, tokens=100, tokens_since_last=100)
+            reports = [peer.sync.finish_round(block=True) for peer in (a, b)]
+        finally:
+            thread.join()
+        for peer, own, report in zip((a, b), before, reports):
+            for name, value in shared_params(peer).items():
+                expected = (before[0][name] + before[1][name]) / 2 if report.group_size > 1 else own[name]
+                torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"round {r + 1}: reported group {report.group_size}: {m}")
+        alone.append([report.group_size for report in reports])
+    assert [1, 1] in alone, f"the group never split: the test shows nothing ({alone})"
 
 
 def test_only_the_wait_for_the_go_grows():
