@@ -20,17 +20,35 @@ A go later than that grace still splits the group. The leader's all-reduce then 
 something reached it (`heard_from`): a part sent to its reducer or a result from theirs. hivemind counts every
 member of the group, so a leader that had averaged with nobody reported a group of two, and its round was taken
 as averaged (its result served as the round's, nothing held for the next round, no "averaged with nobody").
+
+A member that is not in the group answers the leader's parts at once (`could_join`, `LeaverAwareRunner`). hivemind's
+averager holds a part for a group id it does not know until it registers a group of its own (the go may come after
+the leader's first part), which for a member that had left, or whose join stream broke before it read ACCEPTED
+(seen in tests/test_netns.py: the leader counted it in, it never knew), is its next round: the leader waited its
+sender timeout twice, 20 s, and lost the round. Such a part is now refused (BAD_GROUP_ID) as soon as this averager
+can no longer be in that group: no join request of its own is awaiting an answer and it formed no group of that id.
+The leader then stops waiting for that member's parts too, as hivemind does for a sender that never started.
 """
 from __future__ import annotations
 
+import asyncio
+import collections
 import functools
 from typing import Any, Mapping
 
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import TensorPartContainer
+from hivemind.proto import averaging_pb2
 from hivemind.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# How often a part for a group not (yet) known here looks again whether it may still be this averager's.
+GROUP_POLL_S = 0.05
+# How long a refused sender's remaining parts are read (and dropped) while it learns the answer (`drain`).
+DRAIN_S = 5.0
+NOT_IN_GROUP = averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)
 
 
 class PatientMatchmaking(Matchmaking):
@@ -38,7 +56,32 @@ class PatientMatchmaking(Matchmaking):
 
     def __init__(self, *args, begin_grace: float, **kwargs):
         self.begin_grace = float(begin_grace)
+        self.asking = 0  # join requests of this averager still talking to a leader
+        self.formed: collections.deque[bytes] = collections.deque(maxlen=8)  # ids of groups formed here, newest last
         super().__init__(*args, **kwargs)
+
+    def could_join(self, group_id: bytes) -> bool:
+        """Whether a part for `group_id` may belong to a group of this averager that it does not know yet: one it
+        formed (its registration waits for the step's trigger), or one whose go is still on its way (a join request
+        is awaiting a leader's answers: the leader may have started its all-reduce before its go arrived here)."""
+        return self.asking > 0 or group_id in self.formed
+
+    async def _request_join_group(self, leader):
+        self.asking += 1
+        try:
+            return await super()._request_join_group(leader)
+        finally:
+            self.asking -= 1
+
+    async def leader_assemble_group(self):
+        group_info = await super().leader_assemble_group()
+        self.formed.append(group_info.group_id)
+        return group_info
+
+    async def follower_assemble_group(self, leader, msg):
+        group_info = await super().follower_assemble_group(leader, msg)
+        self.formed.append(group_info.group_id)
+        return group_info
 
     # hivemind reads request_timeout in _request_join_group twice: for the leader's first answer (before it
     # accepted this peer: current_leader is None) and for the go that follows (current_leader is that leader).
@@ -92,11 +135,59 @@ def heard_from(runner: Any, gathered: Mapping) -> dict:
     return {peer: value for peer, value in gathered.items() if peer not in silent}
 
 
+async def could_be_in(averager: Any, group_id: bytes, patience: float) -> bool:
+    """(Averager process, a part arriving) False once the group `group_id` cannot be `averager`'s: not registered
+    and not `could_join` (at most `patience` seconds: the sender gives up by then anyway). True when registered, or
+    when hivemind's own matchmaking is in use (nothing known: hivemind's wait applies)."""
+    matchmaking = getattr(averager, "_matchmaking", None)
+    if not isinstance(matchmaking, PatientMatchmaking):
+        return True
+    deadline = asyncio.get_running_loop().time() + patience
+    while group_id not in averager._running_groups:
+        if not matchmaking.could_join(group_id) or asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(GROUP_POLL_S)
+    return True
+
+
+async def drain(stream: Any, seconds: float = DRAIN_S) -> None:
+    """Read and drop what a sender still writes to `stream` until it closes it (at most `seconds`). A handler that
+    answers and returns at once closes its end while the sender still writes its parts: the stream is then reset
+    and the answer lost with it (the leader read BrokenPipeError or ConnectionResetError instead of BAD_GROUP_ID in
+    2 of 5 split rounds of tests/test_matchmaking.py, and waited its sender timeout). A sender that read the answer
+    stops writing and closes its end."""
+    async def read_all() -> None:
+        async for _ in stream:
+            pass
+    try:
+        await asyncio.wait_for(read_all(), timeout=seconds)
+    except Exception as e:  # timed out, or the stream broke: either way there is nothing more to wait for
+        logger.debug(f"stopped reading a refused sender's stream: {e!r}")
+
+
+class LeaverAwareRunner(AllReduceRunner):
+    """hivemind's AllReduceRunner that stops waiting for the parts of a member that answered it is not in the group.
+
+    hivemind marks such a member's reducer failed (this peer keeps its own values for that part) but its reducer
+    still waits for that member's parts until the sender timeout; a member that is not in the group sends none."""
+
+    async def _communicate_with_peer(self, peer_id):
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except AllreduceException as e:
+            # hivemind 1.1.12 says so only in the message: "{peer} sent BAD_GROUP_ID".
+            if str(e).endswith(f"sent {NOT_IN_GROUP}") and peer_id in self.sender_peer_ids:
+                logger.debug(f"{peer_id} is not in group {self.group_id.hex()[:8]}: not waiting for its parts")
+                await self._ban_sender(peer_id)
+            raise
+
+
 def install_group_forming(begin_grace: float) -> None:
-    """Make the averagers of *this process* use PatientMatchmaking and TrackedPartContainer (call inside the
-    averager process before its run loop starts: it is a forked process of its own)."""
+    """Make the averagers of *this process* use PatientMatchmaking, TrackedPartContainer and LeaverAwareRunner
+    (call inside the averager process before its run loop starts: it is a forked process of its own)."""
     import hivemind.averaging.allreduce as allreduce_module
     import hivemind.averaging.averager as averager_module
 
     averager_module.Matchmaking = functools.partial(PatientMatchmaking, begin_grace=begin_grace)
+    averager_module.AllReduceRunner = LeaverAwareRunner
     allreduce_module.TensorPartContainer = TrackedPartContainer

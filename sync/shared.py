@@ -21,13 +21,14 @@ from hivemind.compression import NoCompression
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from model.model import SpesMoE
 from sync.carry import CarriedChange, fold_changes, fold_room
 from sync.delta import apply_rebased_, rebased
-from sync.matchmaking import heard_from, install_group_forming
+from sync.matchmaking import could_be_in, drain, heard_from, install_group_forming
 from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wire_counting
 from sync.config import SyncConfig
 from sync.swarm import Swarm
@@ -92,7 +93,13 @@ class _CountingAverager(DecentralizedAverager):
         if not await self._admits(context.remote_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for response in super().rpc_aggregate_part(stream, context):
+        request = await anext(stream)
+        if not await could_be_in(self, request.group_id, patience=self._allreduce_timeout or 60.0):
+            # Not this averager's group: said at once (sync/matchmaking.py), not when its next group forms.
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            await drain(stream)
+            return
+        async for response in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield response
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext

@@ -39,6 +39,12 @@ def _log_time(stamp: str) -> float:
     return parsed.timestamp()
 
 
+def line_time(log_text: str, needle: str) -> float:
+    """Unix time of the log line that holds the first `needle` (hivemind's stamp opens each line)."""
+    line_start = log_text.rfind("\n", 0, log_text.index(needle)) + 1
+    return _log_time(log_text[line_start:line_start + len("Dec 01 23:25:19.009")])
+
+
 @dataclass
 class Round:
     """One "round N applied" line of a peer's log."""

@@ -4,10 +4,12 @@ as averaged with (sync/matchmaking.py).
 Two real SparseSync peers on 127.0.0.1. Around the moment a group forms, one peer's averager process is stopped
 (SIGSTOP) for longer than hivemind's request_timeout, as a stalled process or a retransmitted message delays a
 leader's BEGIN_ALLREDUCE. Without the follower's grace the group split in every such round: the leader kept its
-own values while hivemind reported a group of two, the follower found no group.
+own values while hivemind reported a group of two, the follower found no group. When a group splits anyway, the
+member that left answers the leader's parts at once, and the leader stops waiting for that member's.
 """
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -21,6 +23,7 @@ from tests.conftest import local_training, round_all, shared_params, sync_cfg
 MATCHMAKING = 2.0  # the tests' matchmaking_time: request_timeout is 1 s, the follower's grace 2 s
 STALL = 1.6  # longer than request_timeout, shorter than request_timeout + grace
 LONG_STALL = 4.5  # longer than all the follower waits for the go, with its half second of head start
+NEXT_CHUNK_TIMEOUT = 2.5  # the sender timeout of round_timeout=10 (sync/shared.py: a quarter of it)
 
 
 def _stall_later(pid: int, after: float, seconds: float) -> threading.Thread:
@@ -62,7 +65,8 @@ def test_a_group_whose_leaders_go_is_late_still_averages_together(swarm_factory)
 
 def test_a_leader_whose_group_split_anyway_reports_what_it_averaged(swarm_factory):
     """A go later than the grace: the follower has left, the leader's all-reduce hears nothing from it. Each
-    peer's report must say what its values show: a group of two with the mean, or alone with its own values."""
+    peer's report must say what its values show: a group of two with the mean, or alone with its own values; and
+    the leader does not wait for the parts of a member that answered it is not in the group."""
     cfg = sync_cfg(matchmaking_time=MATCHMAKING, round_timeout=10.0, target_group_size=-1)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     alone = []
@@ -85,6 +89,10 @@ def test_a_leader_whose_group_split_anyway_reports_what_it_averaged(swarm_factor
                 torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"round {r + 1}: reported group {report.group_size}: {m}")
         alone.append([report.group_size for report in reports])
+        if reports[0].group_size == 1 and "all-reduce" in reports[0].timing:
+            # b had left: its averager said so at once (BAD_GROUP_ID), and a stopped waiting for b's parts. Without
+            # that, a's all-reduce waited out its sender timeout twice (5.0 s with these settings).
+            assert reports[0].timing["all-reduce"] < NEXT_CHUNK_TIMEOUT, f"round {r + 1}: {reports[0].timing}"
     assert [1, 1] in alone, f"the group never split: the test shows nothing ({alone})"
 
 
@@ -97,3 +105,17 @@ def test_only_the_wait_for_the_go_grows():
     assert matchmaking.request_timeout == 1.0
     matchmaking.current_leader = object()  # accepted by a leader: waiting for its go
     assert matchmaking.request_timeout == 3.0
+
+
+def test_a_part_may_be_for_a_group_only_while_one_could_form_here():
+    """A part for a group id this averager does not know waits only while that group could still be its own: while
+    a join request is talking to a leader (its go may come after the leader's first part) or for a group formed
+    here (registered at the step's trigger). Otherwise it is answered at once as not this averager's group."""
+    matchmaking = PatientMatchmaking.__new__(PatientMatchmaking)
+    matchmaking.asking, matchmaking.formed = 0, collections.deque(maxlen=8)
+    assert not matchmaking.could_join(b"g1")  # looking for a group, asking nobody: g1 cannot be its
+    matchmaking.asking = 1
+    assert matchmaking.could_join(b"g1")  # a leader may have started before its go got here
+    matchmaking.asking = 0
+    matchmaking.formed.append(b"g1")
+    assert matchmaking.could_join(b"g1") and not matchmaking.could_join(b"g2")

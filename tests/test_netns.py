@@ -29,7 +29,7 @@ import pytest
 
 from tests.netlab import NetLab, NsProcess, netlab  # noqa: F401  (netlab is a fixture)
 from tests.netlab_p2p import RELAY_SERVER_KWARGS, relay_client_options
-from tests.swarmlab import rounds, spes_peer, start_bootstrap
+from tests.swarmlab import line_time, rounds, spes_peer, start_bootstrap
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -266,8 +266,15 @@ def test_slow_home_uplink_follows_and_its_changes_reach_the_average(netlab: NetL
     assert "download" in home.log_path.read_text()
     public_logs = [p.log_path.read_text() for p in publics]
     assert any("carrying 1 follower change(s)" in log for log in public_logs), [log[-3000:] for log in public_logs]
-    # While it follows, the public peers' groups are the two of them.
-    start, end = followed[0].started_at, followed[-1].applied_at
+    # While it follows, the public peers' groups are the two of them: in each round that began once it followed
+    # and was over before it joined again (the log lines, not its rounds of one: a round it averaged alone before
+    # following, or its first round back, would put rounds it was in into that span). Never with it, and together
+    # in nearly every round: a join stream that broke before its first message leaves one public peer alone for a
+    # round (sync/matchmaking.py; 2 of 7 local runs had one such round in ~130), but a public peer wrongly
+    # following or waiting for the home peer would leave its partner alone in most of them.
+    began, ended = line_time(home_log, "instead of joining the all-reduce"), line_time(home_log, "joins the shared")
     for log in public_logs:
-        meanwhile = [r for r in rounds(log) if start < r.started_at < end]
-        assert meanwhile and all(r.group == 2 for r in meanwhile), [(r.round_id, r.group) for r in rounds(log)]
+        meanwhile = [r for r in rounds(log) if began < r.started_at and r.applied_at < ended]
+        assert len(meanwhile) >= 2, (began, ended, [(r.round_id, r.group, r.started_at) for r in rounds(log)])
+        others = [(r.round_id, r.group) for r in meanwhile if r.group != 2]
+        assert all(group == 1 for _, group in others) and len(others) <= len(meanwhile) // 10, (len(meanwhile), others)
