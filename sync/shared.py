@@ -28,7 +28,7 @@ from hivemind.utils.mpfuture import MPFuture
 from model.model import SpesMoE
 from sync.carry import CarriedChange, fold_changes, fold_room
 from sync.delta import apply_rebased_, rebased
-from sync.matchmaking import could_be_in, drain, heard_from, install_group_forming
+from sync.matchmaking import could_be_in, drain, heard_from, install_group_forming, linger_after_answers
 from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wire_counting
 from sync.config import SyncConfig
 from sync.swarm import Swarm
@@ -85,7 +85,8 @@ class _CountingAverager(DecentralizedAverager):
         if not await self._admits(context.remote_id):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
-        async for response in super().rpc_join_group(request, context):
+        # Kept open after the answers until the asker closes it: closing first can lose them (sync/matchmaking.py).
+        async for response in linger_after_answers(super().rpc_join_group(request, context)):
             yield response
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext

@@ -269,9 +269,10 @@ def test_slow_home_uplink_follows_and_its_changes_reach_the_average(netlab: NetL
     # While it follows, the public peers' groups are the two of them: in each round that began once it followed
     # and was over before it joined again (the log lines, not its rounds of one: a round it averaged alone before
     # following, or its first round back, would put rounds it was in into that span). Never with it, and together
-    # in nearly every round: a join stream that broke before its first message leaves one public peer alone for a
-    # round (sync/matchmaking.py; 2 of 7 local runs had one such round in ~130), but a public peer wrongly
-    # following or waiting for the home peer would leave its partner alone in most of them.
+    # in nearly every round: a group that splits (a lost go; a join stream reset under its answers left one public
+    # peer alone for a round in 3 of 11 local runs before sync/matchmaking.py `linger_after_answers`) costs a round
+    # of one, but a public peer wrongly following or waiting for the home peer would leave its partner alone in
+    # most of them.
     began, ended = line_time(home_log, "instead of joining the all-reduce"), line_time(home_log, "joins the shared")
     for log in public_logs:
         meanwhile = [r for r in rounds(log) if began < r.started_at and r.applied_at < ended]
