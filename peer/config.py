@@ -131,6 +131,9 @@ class NetworkConfig:
     this one by its peer ID; bulk data goes over connections this peer opens itself (--use-auto-relay)."""
     client_mode: bool = False
     """Behind NAT: run the DHT and the averagers as hivemind clients, which only make requests (--client-mode)."""
+    join_timeout_s: float = 20.0
+    """How long to keep trying the initial peers at start before exiting with "cannot reach any initial peer": a
+    home line's first connection can fail, a bootstrap node may be restarting (0 = one attempt)."""
     upload_mbit: float = 0.0
     """This peer's upload bandwidth in Mbit/s, if known (0 = unknown: measured once other peers are seen, see
     sync.slow_uplink_mbit). hivemind's all-reduce gives each peer a part of the tensors to reduce in proportion to
@@ -163,6 +166,9 @@ class RunConfig:
         self.data.validate()
         if not 0 <= self.metrics.port < 65536:
             raise ConfigError(f"metrics.port must be in [0, 65535], got {self.metrics.port}")
+        if not 0 <= self.network.join_timeout_s <= 3600:
+            raise ConfigError(f"network.join_timeout_s must be in [0, 3600] (0 = one attempt), "
+                              f"got {self.network.join_timeout_s}")
         if not 0 <= self.network.upload_mbit < 1e6:
             raise ConfigError(f"network.upload_mbit must be >= 0 (0 = unknown), got {self.network.upload_mbit}")
 

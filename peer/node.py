@@ -178,7 +178,7 @@ class PeerNode:
         dht = start_dht(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=cfg.run_id,
                         num_experts=cfg.model.num_experts, record_ttl=cfg.sync.record_ttl,
                         admission=self.admission, rejects=self.rejects, use_auto_relay=mode.use_auto_relay,
-                        client_mode=mode.client_mode)
+                        client_mode=mode.client_mode, join_timeout=cfg.network.join_timeout_s)
         ticket = getattr(self.admission, "own_ticket", None) or b""
         swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
                       admission=self.admission, initial_peers=initial_peers, averages_as_client=mode.client_mode)

@@ -2,7 +2,9 @@
 
 Every node started here validates the run's records (sync.records.RunRecordValidator); a peer's node also signs
 its own record with its identity key. Start-up failures become a SwarmError with the daemon's own reason, and a
-fixed listen port that is already taken is found before p2pd would silently share it (busy_tcp_port).
+fixed listen port that is already taken is found before p2pd would silently share it (busy_tcp_port). Initial
+peers that do not answer are tried again for `join_timeout` seconds (a dropped first connection, a bootstrap node
+restarting) before that error.
 """
 from __future__ import annotations
 
@@ -11,14 +13,21 @@ import errno
 import os
 import shutil
 import socket
+import time
 from typing import Any, Sequence
 
 import hivemind
 from hivemind.p2p import P2P
+from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 from sync.records import RunRecordValidator, ephemeral_identity, load_identity
 from sync.reach import relay_client_options, static_relays_only
+
+logger = get_logger(__name__)
+
+# Seconds before the first retry to reach the initial peers; each next wait is twice as long.
+FIRST_JOIN_RETRY_S = 1.0
 
 
 class SwarmError(RuntimeError):
@@ -63,9 +72,11 @@ def busy_tcp_port(host_maddrs: Sequence[str | Multiaddr]) -> tuple[int, str] | N
 def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
               announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *, run_id: str | None = None,
               num_experts: int = 0, record_ttl: float = 30.0, admission: Any = None,
-              rejects: Any = None, use_auto_relay: bool = False, client_mode: bool = False) -> hivemind.DHT:
+              rejects: Any = None, use_auto_relay: bool = False, client_mode: bool = False,
+              join_timeout: float = 0.0) -> hivemind.DHT:
     """Start a peer's DHT node (joining `initial_peers` if given) that signs its own record and validates the
-    run's records (sync.records); SwarmError with the daemon's reason on failure.
+    run's records (sync.records); SwarmError with the daemon's reason on failure, after trying unanswering initial
+    peers again for `join_timeout` seconds.
 
     Behind NAT (sync.reach): `use_auto_relay` reserves slots on the initial peers as circuit relays and
     announces `<initial peer>/p2p-circuit` and makes its hivemind DHT a client; `client_mode` makes the DHT a
@@ -86,13 +97,13 @@ def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("
         options.pop("dht_mode", None)
     return start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path, run_id=run_id,
                           num_experts=num_experts, record_ttl=record_ttl, admission=admission, rejects=rejects,
-                          sign=True, **options)
+                          sign=True, join_timeout=join_timeout, **options)
 
 
 def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
                    announce_maddrs: Sequence[str] = (), identity_path: str | None = None, *,
                    run_id: str | None = None, num_experts: int = 0, record_ttl: float = 30.0,
-                   admission: Any = None, rejects: Any = None, sign: bool = False,
+                   admission: Any = None, rejects: Any = None, sign: bool = False, join_timeout: float = 0.0,
                    **p2p_options: Any) -> hivemind.DHT:
     """start_dht with extra hivemind.DHT / P2P.create options (use_relay, use_auto_relay, ...), for callers such
     as the bootstrap node that expose them; same errors.
@@ -122,14 +133,29 @@ def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str]
             kwargs["record_validators"] = [RunRecordValidator(
                 run_id, num_experts or 2**16, private_key=private_key, record_ttl=record_ttl,
                 admission=admission, rejects=rejects)]
-        # With auto-relay, only the trusted relays are used (sync.reach.static_relays_only says why).
-        with static_relays_only() if kwargs.get("use_auto_relay") else contextlib.nullcontext():
-            return hivemind.DHT(**kwargs)
-    except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
-        reason = " ".join(str(e).split()) or type(e).__name__
-        if "bootstrap" in reason and initial_peers:
-            reason = f"cannot reach any initial peer ({', '.join(initial_peers)}): {reason}"
-        raise SwarmError(reason) from None
+        give_up_at, wait = time.monotonic() + join_timeout, FIRST_JOIN_RETRY_S
+        while True:
+            try:
+                # With auto-relay, only the trusted relays are used (sync.reach.static_relays_only says why).
+                with static_relays_only() if kwargs.get("use_auto_relay") else contextlib.nullcontext():
+                    return hivemind.DHT(**kwargs)
+            except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
+                reason = " ".join(str(e).split()) or type(e).__name__
+                if "bootstrap" not in reason or not initial_peers:
+                    raise SwarmError(reason) from None
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    waited = f" (tried for {join_timeout:g} s)" if join_timeout > 0 else ""
+                    raise SwarmError(f"cannot reach any initial peer ({', '.join(initial_peers)}){waited}: "
+                                     f"{reason}") from None
+                # A home line's first connection can fail where the next one works (tests/test_netns.py saw
+                # "failed to connect to bootstrap peers" once from behind the NAT), and a bootstrap node may be
+                # restarting: a volunteer's peer should not exit on one attempt.
+                wait = min(wait, left)
+                logger.warning(f"no initial peer answered ({reason}); trying again in {wait:g} s "
+                               f"(network.join_timeout_s: {left:.0f} s left)")
+                time.sleep(wait)
+                wait *= 2
     finally:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)

@@ -172,6 +172,31 @@ def test_identity_persists_and_peers_take_the_restarted_node_back(tmp_path):
                 proc.kill()
 
 
+def test_a_peer_started_before_its_bootstrap_node_joins_it_once_it_is_up(tmp_path):
+    """network.join_timeout_s: a peer whose initial peer does not answer yet (a bootstrap node restarting, a home
+    line's first connection lost) tries again instead of exiting 2, and joins the node once it is up."""
+    port, key = _free_port(), tmp_path / "boot.key"
+    made = subprocess.run([sys.executable, "-m", "peer.admit", "peer-id", "--identity-path", str(key)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=True)
+    node_id = re.search(r"peer id: (\S+)", made.stdout).group(1)
+    line = f"/ip4/127.0.0.1/tcp/{port}/p2p/{node_id}"
+    peer = Proc([sys.executable, "-m", "peer.run", "--config", "configs/tiny.yaml", "--run-id", RUN,
+                 "--run-dir", str(tmp_path / "run"), "--initial-peers", line, "--host-maddrs", *LOOPBACK,
+                 "--max-steps", "40", "--set", "train.eval_every=100000", "--set", "network.join_timeout_s=60"])
+    boot = None
+    try:
+        peer.wait_for(r"no initial peer answered .* trying again in", timeout=90)
+        boot = bootstrap("--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity-path", str(key))
+        assert _initial_peer(boot) == line
+        boot.wait_for(r"\] 1 peer, experts covered", timeout=90)  # the peer's own record, read through the node
+        assert peer.proc.wait(120) == 0, "\n".join(peer.lines[-30:])
+        assert not any("error" in text.lower() for text in peer.lines), "\n".join(peer.lines)
+    finally:
+        for proc in (peer, boot):
+            if proc is not None:
+                proc.kill()
+
+
 def test_plain_hivemind_client_joins_through_our_bootstrap():
     node = bootstrap("--host-maddrs", *LOOPBACK)
     writer = reader = None

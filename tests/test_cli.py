@@ -48,8 +48,12 @@ def _digest(directory: Path) -> dict[str, str]:
     # no DHT was started (its "initial peer:" line would come first).
     (["--dataset", "/no/such/corpus.jsonl", "--initial-peers",
       "/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf"], "/no/such/corpus.jsonl"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf"],
-     "cannot reach any initial peer (/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf)"),
+    # Tried again for network.join_timeout_s (20 s by default; 2 s here) before the error.
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf",
+      "--set", "network.join_timeout_s=2"],
+     "cannot reach any initial peer (/ip4/127.0.0.1/tcp/1/p2p/QmXfCrWyR4MUYwEbx5ZsbCCGXEvzJ1fqJW4ut3Jkzgjpyf) "
+     "(tried for 2 s)"),
+    (["--set", "network.join_timeout_s=-1"], "network.join_timeout_s must be in [0, 3600]"),
     (["--initial-peers", "garbage"], "garbage"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/4000"], "/ip4/127.0.0.1/tcp/4000 names no peer: the address must end "
                                                      "with /p2p/<peer ID>"),
