@@ -163,8 +163,8 @@ async def linger_after_answers(answers: AsyncIterator) -> AsyncIterator:
 
     A handler that returns right after its last message closes its end at once, and p2pd then resets the stream;
     the reset can overtake the messages still in flight, and the asking peer reads an empty stream. Over a
-    100 Mbit/s tc-tbf link between two namespaces with bulk transfers beside them, 9 of 8,000 two-message answers
-    of a plain hivemind stream handler arrived empty (0 of 8,000 with this wait). A leader that had accepted a
+    100 Mbit/s tc-tbf link between two namespaces with bulk transfers beside them, 11 of 14,000 two-message
+    answers of a plain hivemind stream handler arrived empty (0 of 14,000 with this wait). A leader that had accepted a
     follower so assembled its group with a member that never knew (tests/test_netns.py: about once in 450 rounds
     between two public peers). hivemind's follower reads the answers it needs and closes the stream at once."""
     async for answer in answers:
