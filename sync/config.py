@@ -20,6 +20,21 @@ class MergeConfig:
 
 
 @dataclass
+class SparseConfig:
+    """The sparse codec of contributions (sync/sparse.py; `compression: sparse`, SparseLoCo-style)."""
+
+    # Elements per chunk of a flattened tensor (a power of two up to 65536; indices take log2(chunk) bits).
+    chunk: int = 4096
+    # Largest-magnitude entries kept per chunk.
+    topk: int = 64
+    # Bits per kept value: 2, 4 or 8 (one fp16 scale per chunk).
+    bits: int = 2
+    # Error feedback: what compression left out is kept and sent later; before each round the kept residual is
+    # multiplied by this (1.0: nothing is ever dropped; SparseLoCo uses 0.95, standing in for outer momentum).
+    ef_decay: float = 1.0
+
+
+@dataclass
 class SyncConfig:
     """When and what a peer synchronizes. `every: 0` turns synchronization off."""
 
@@ -31,7 +46,13 @@ class SyncConfig:
     experts: str = "auto"
     # How many experts "auto" takes; 0 means num_experts / 4 (at least 1).
     experts_per_peer: int = 0
+    # How a round exchanges tensors (docs/DESIGN.md): "contributions" = every peer serves one signed, compressed
+    # contribution (its change plus error feedback) and aggregates everyone's itself (sync/contributions.py);
+    # "allreduce" = hivemind's all-reduce groups (sync/shared.py) and expert copies (sync/fetch.py).
+    protocol: str = "allreduce"
+    # none | fp16 | 8bit (both protocols) | sparse (contributions only: chunked top-k, see `sparse`).
     compression: str = "none"
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     outer: str = "avg"
     # DiLoCo outer optimizer (outer: nesterov): SGD with Nesterov momentum on the pseudo-gradient.
     outer_lr: float = 0.7
@@ -129,8 +150,21 @@ class SyncConfig:
                              f"got {self.shared_every}")
         if self.experts_per_peer < 0:
             raise ValueError(f"sync.experts_per_peer must be >= 0, got {self.experts_per_peer}")
-        if self.compression not in ("none", "fp16", "8bit"):
-            raise ValueError(f"sync.compression must be none|fp16|8bit, got {self.compression!r}")
+        if self.protocol not in ("contributions", "allreduce"):
+            raise ValueError(f"sync.protocol must be contributions|allreduce, got {self.protocol!r}")
+        if self.compression not in ("none", "fp16", "8bit", "sparse"):
+            raise ValueError(f"sync.compression must be none|fp16|8bit|sparse, got {self.compression!r}")
+        if self.compression == "sparse" and self.protocol != "contributions":
+            raise ValueError("sync.compression: sparse needs sync.protocol: contributions")
+        sp = self.sparse
+        if sp.chunk < 2 or sp.chunk > 65536 or sp.chunk & (sp.chunk - 1):
+            raise ValueError(f"sync.sparse.chunk must be a power of two in 2..65536, got {sp.chunk}")
+        if not 1 <= sp.topk <= sp.chunk:
+            raise ValueError(f"sync.sparse.topk must be in 1..sync.sparse.chunk ({sp.chunk}), got {sp.topk}")
+        if sp.bits not in (2, 4, 8):
+            raise ValueError(f"sync.sparse.bits must be 2, 4 or 8, got {sp.bits}")
+        if not 0 < sp.ef_decay <= 1:
+            raise ValueError(f"sync.sparse.ef_decay must be in (0, 1], got {sp.ef_decay}")
         if self.outer not in ("avg", "nesterov"):
             raise ValueError(f"sync.outer must be avg|nesterov, got {self.outer!r}")
         if self.aggregation not in ("centered_clip", "mean"):

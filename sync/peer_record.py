@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_due
+from sync.aggregate import Announcement
+from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_contrib, is_due, is_synced
 
 
 @dataclass
@@ -43,6 +44,17 @@ class PeerRecord:
     # [round, DHT time]: when this peer expects to be ready to start that round (sync.schedule: the others keep
     # training until the last of them is, so a round's group forms at once). Empty: no estimate.
     due: list = field(default_factory=list)
+    # Its newest contribution (sync.protocol: contributions): [round, size, sha256 hex, weight, experts]; and
+    # [round, digest] of its synchronized tensors after it applied that round (sync/contributions.py).
+    contrib: list = field(default_factory=list)
+    synced: list = field(default_factory=list)
+
+    def announcement(self) -> Announcement | None:
+        """Its contribution as sync.aggregate reads it (None: it announced none)."""
+        if not self.contrib:
+            return None
+        r, size, digest, weight, experts = self.contrib
+        return Announcement(r, size, digest, weight, tuple(experts))
 
     def to_value(self) -> dict[str, Any]:
         value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
@@ -65,6 +77,10 @@ class PeerRecord:
             value["left"] = sorted(self.left)
         if self.due:
             value["due"] = [int(self.due[0]), float(self.due[1])]
+        if self.contrib:
+            value["contrib"] = list(self.contrib)
+        if self.synced:
+            value["synced"] = list(self.synced)
         return value
 
     def room(self, num_experts: int) -> int:
@@ -107,10 +123,14 @@ class PeerRecord:
         due = value.get("due", [])
         if due and not is_due(due):
             return None
+        contrib, synced = value.get("contrib", []), value.get("synced", [])
+        if (contrib and not is_contrib(contrib, num_experts)) or (synced and not is_synced(synced)):
+            return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
                    follows=value.get("follows") is True, budget=budget, caretaking=sorted(set(caretaking)),
                    finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
-                   left=sorted(set(left)), due=[due[0], float(due[1])] if due else [])
+                   left=sorted(set(left)), due=[due[0], float(due[1])] if due else [],
+                   contrib=[*contrib[:4], sorted(contrib[4])] if contrib else [], synced=list(synced))
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:

@@ -57,7 +57,11 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # origin: [machine hash, PID] of the publishing process (sync.swarm.process_origin).
 # left: in a clean leave's tombstone (no experts), the experts the peer owned (sync.ownership adopts them at once).
 # due: [round, DHT time] when the peer expects to be ready to start that round (sync.schedule).
-_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin", "left", "due"}
+# contrib: [round, size, sha256 hex, weight, experts] of the peer's contribution blob (sync/contributions.py);
+# synced: [round, digest hex] of its synchronized tensors after applying that round.
+_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin", "left", "due",
+                    "contrib", "synced"}
+MAX_BLOB_BYTES = 2**36  # a contribution of a model far beyond the paper's shapes, uncompressed, stays under it
 MAX_DUE_TIME = 2.0 ** 34  # seconds since the epoch: year 2514; readers bound it by their own clock (sync.schedule)
 
 
@@ -111,6 +115,23 @@ def is_due(due: Any) -> bool:
             and type(due[1]) in (int, float) and 0 <= due[1] <= MAX_DUE_TIME)
 
 
+def _is_hex(value: Any, length: int) -> bool:
+    return isinstance(value, str) and len(value) == length and all(c in "0123456789abcdef" for c in value)
+
+
+def is_contrib(value: Any, num_experts: int) -> bool:
+    """A record's `contrib` field: [round, size, sha256 hex (64), weight, experts], each in range."""
+    return (isinstance(value, list) and len(value) == 5 and type(value[0]) is int and 0 <= value[0] <= MAX_ROUND
+            and type(value[1]) is int and 0 < value[1] <= MAX_BLOB_BYTES and _is_hex(value[2], 64)
+            and type(value[3]) is int and 0 <= value[3] <= MAX_TOKENS and _expert_list(value[4], num_experts))
+
+
+def is_synced(value: Any) -> bool:
+    """A record's `synced` field: [round, digest hex (32)]."""
+    return (isinstance(value, list) and len(value) == 2 and type(value[0]) is int and 0 <= value[0] <= MAX_ROUND
+            and _is_hex(value[1], 32))
+
+
 def check_record_payload(value: Any, num_experts: int) -> bool:
     """The exact schema of a peer record's payload (see sync.swarm.PeerRecord.to_value)."""
     if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | _OPTIONAL_FIELDS:
@@ -134,6 +155,10 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
             and len(str(origin[0])) <= 16 and type(origin[1]) is int and 0 <= origin[1] < 2 ** 32):
         return False
     if "due" in value and not is_due(value["due"]):
+        return False
+    if "contrib" in value and not is_contrib(value["contrib"], num_experts):
+        return False
+    if "synced" in value and not is_synced(value["synced"]):
         return False
     for name, bound in (("round", MAX_ROUND), ("step", MAX_STEP), ("tokens", MAX_TOKENS)):
         if type(value[name]) is not int or not 0 <= value[name] <= bound:

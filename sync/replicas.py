@@ -48,14 +48,17 @@ class Replicas:
     def bytes_sent(self) -> dict[str, int]:
         """Tensor payload bytes (after compression) this peer sent so far, by kind ("shared", "expert")."""
         replicas = self._closed_expert_avg_bytes["sent"] + (self._expert_avg.bytes_sent() if self._expert_avg else 0)
-        return {"shared": self.shared.bytes_sent() + self.exchange.bytes_sent.get("shared", 0), "expert": self.exchange.bytes_sent.get("expert", 0) + replicas}
+        blobs = self.contribution_bytes()[0]
+        return {"shared": self.shared.bytes_sent() + self.exchange.bytes_sent.get("shared", 0) + blobs["shared"],
+                "expert": self.exchange.bytes_sent.get("expert", 0) + replicas + blobs["expert"]}
 
     def bytes_received(self) -> dict[str, int]:
         """Tensor payload bytes (after compression) this peer received so far, by kind ("shared", "expert")."""
         replicas = (self._closed_expert_avg_bytes["received"]
                     + (self._expert_avg.bytes_received() if self._expert_avg else 0))
-        return {"shared": self.shared.bytes_received() + self.exchange.bytes_received.get("shared", 0),
-                "expert": self.exchange.bytes_received.get("expert", 0) + replicas}
+        blobs = self.contribution_bytes()[1]
+        return {"shared": self.shared.bytes_received() + self.exchange.bytes_received.get("shared", 0) + blobs["shared"],
+                "expert": self.exchange.bytes_received.get("expert", 0) + replicas + blobs["expert"]}
 
     def bytes_on_wire(self) -> dict[str, int]:
         """Tensor payload bytes this peer sent + received so far, by kind ("shared", "expert")."""

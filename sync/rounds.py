@@ -29,6 +29,7 @@ Background processes per peer: the DHT node and one averager (each with its p2pd
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import threading
 import time
@@ -41,6 +42,7 @@ from model.model import SpesMoE
 from sync.config import SyncConfig
 from sync.applying import Applying
 from sync.between import SharedRounds
+from sync.contributions import Contributions
 from sync.durable import Durable
 from sync.replicas import Replicas
 from sync.fetch import CopiesDuring, ExpertFetching, Snapshot
@@ -85,7 +87,7 @@ def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
     return future
 
 
-class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds, Scheduling, UplinkMeasuring):
+class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, Durable, LeaveHandoff, SharedRounds, Scheduling, UplinkMeasuring):
     """Drives SPES rounds for one peer; the caller (peer/) owns the training loop."""
 
     def __init__(self, model: SpesMoE, swarm: Swarm, cfg: SyncConfig, rejects: RejectCounter | None = None,
@@ -99,10 +101,13 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         self.rejects = rejects if rejects is not None else RejectCounter()
         self.max_weight, self.gate = max_weight, gate
         self.round_id = 0
-        self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=cfg.compression,
+        # Joiners' state downloads and the all-reduce protocol's copies: whole tensors (the sparse codec is for
+        # contributions only, sync/contributions.py).
+        whole = cfg if cfg.compression != "sparse" else dataclasses.replace(cfg, compression="none")
+        self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=whole.compression,
                                        rejects=self.rejects, gate=gate)
         self.bandwidth = bandwidth
-        self.shared = SharedAverager(model, swarm, cfg, rejects=self.rejects, max_weight=max_weight, gate=gate,
+        self.shared = SharedAverager(model, swarm, whole, rejects=self.rejects, max_weight=max_weight, gate=gate,
                                      bandwidth=bandwidth)
         self._init_following(bandwidth)
         self._init_uplink()
@@ -145,6 +150,9 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         self.handed_over: dict[int, dict[str, torch.Tensor]] = {}
         self._init_leave_handoff()
         self._init_scheduling()
+        self._init_contributions()
+        if self.contributing:  # no all-reduce to keep a slow uplink out of: every peer contributes alike
+            self.follower, self._probes_left = False, 0
         self.progress.on_read = self._watch_leavers
 
     # ---- joining ------------------------------------------------------------------------------------------
@@ -195,7 +203,9 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         return {p: r for p, r in records.items() if p != self.swarm.peer_id}
 
     def _reset_expert_references(self) -> None:
-        self._expert_synced = {e: {k: v.detach().float().cpu().clone() for k, v in self.model.expert_tensors(e).items()}
+        # Contributions: as every peer stores them (sync/contributions.py), so owners and non-owners agree.
+        cast = self._canonical if getattr(self, "contributing", False) else (lambda v: v.detach().float().cpu().clone())
+        self._expert_synced = {e: {k: cast(v) for k, v in self.model.expert_tensors(e).items()}
                                for e in self.model.owned_experts}
         self._stale = {}
 
@@ -205,7 +215,9 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         snapshots = {}
         for expert in sorted(self.model.owned_experts):
             snapshots[expert] = {k: v.detach().to("cpu").clone() for k, v in self.model.expert_tensors(expert).items()}
-            self.exchange.publish(self.round_id, expert, snapshots[expert])
+            # Contributions: a joiner downloads the synchronized value, which every peer holds alike.
+            served = self._expert_synced.get(expert) if getattr(self, "contributing", False) else None
+            self.exchange.publish(self.round_id, expert, served if served is not None else snapshots[expert])
         if record:
             self.swarm.publish(experts=sorted(self.model.owned_experts), round=self.round_id, step=step, tokens=tokens)
         return snapshots
@@ -229,7 +241,10 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         started = time.perf_counter()
         self.round_id += 1
         report = RoundReport(self.round_id)
-        self.shared.take_snapshot()
+        if self.contributing:  # the averager's tensors keep serving the synchronized values to joiners
+            self.shared.snapshot = [p.detach().to("cpu", torch.float32).clone() for p in self.shared.params]
+        else:
+            self.shared.take_snapshot()
         own = self._publish(step, tokens, record=False)
         # A fresh read, not the progress reader's last one: a peer that joined within the last poll would be
         # missing from the expected group, which would then start without it and leave it averaging alone.
@@ -239,14 +254,14 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         others = {**self.progress.others(max_age=2 * self.progress.poll + 1), **self._others()}
         report.peers_seen = len(others) + 1
         self._owner_steps = {p: int(r.step) for p, r in others.items()}  # replaced whole: the network thread reads it
-        self.follows_now = self._follows_this_round(others)
+        self.follows_now = False if self.contributing else self._follows_this_round(others)
         among_followers = self.follower and not self.follows_now
         if among_followers and self._change_sender.holds() and not self._change_sender.busy():
             tokens_since_last += int(self._take_back_unsent())
             self.shared.take_snapshot()  # again: the contribution holds it now
         report.expected = _expected_group(others, among_followers)
         replicated = any(set(r.experts) == set(own) for r in others.values())
-        expert_avg = self._expert_averager(own, replicated)
+        expert_avg = None if self.contributing else self._expert_averager(own, replicated)
         if self.follows_now and others and median_round(others.values()) > self.round_id:
             # A follower takes the swarm's shared tensors every round anyway: it is never "behind", it only
             # keeps its round number with the swarm's, so that its record and expert copies are labelled alike.
@@ -261,9 +276,14 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         report.timing["publish"] = time.perf_counter() - started
         # The record with the new round is stored concurrently (a DHT store waits for its replicas); fetchers ask
         # the exchange for this round directly and owners serve it from now on.
+        average = bool(others) and not behind
+        if self.contributing:  # the record goes out with the contribution's announcement (its network part)
+            future = _run_in_daemon_thread(self._contribution_round, report, own, tokens_since_last, step, tokens,
+                                           rel_change)
+            self._pending = _Pending(report, started, own, future, behind, step, tokens_since_last)
+            return previous
         record = dict(experts=sorted(own), round=self.round_id, step=step, tokens=tokens)
         _run_in_daemon_thread(lambda: self.swarm.publish(**record))
-        average = bool(others) and not behind
         # Followers' shared changes this peer carries into its all-reduce (sync/following.py): folded into the
         # snapshot the averager holds, before the network thread can release it.
         shared_weight = self._fold_carried(tokens_since_last) if average else tokens_since_last
@@ -380,7 +400,9 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
             report.redownloaded = True
         else:
             folded = self.shared.take_folded()
-            if report.group_size > 1:
+            if self.contributing:
+                report.rejected += self._apply_contributions()
+            elif report.group_size > 1:
                 report.rejected += self.shared.apply(tokens=pending.weight)
                 self._serve_result(report.round_id)
             elif folded:  # carried changes that reached nobody: held for the next round (sync/following.py)
@@ -413,6 +435,8 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
                 if expert in means:
                     self._taken_at_step[(expert, owner)] = step
             self._taking = {}
+            if self.contributing:
+                self._after_contribution_apply()
         self._track_alone(report)
         # A peer that is itself stopping changes no ownership: peers stopped together (Ctrl-C on a machine running
         # several, a test's teardown) adopted each other's experts in their last round after one's tombstone
@@ -492,7 +516,7 @@ class SparseSync(Following, ExpertFetching, Applying, Replicas, Durable, LeaveHa
         # A clean leave (not a finished run): tombstone first, then its experts' moments to their adopters, while
         # the exchange still serves (sync/leave.py), within the stop budget counted from leave_soon().
         closers += [lambda: self._hand_over_on_leave(had_others, self._leave_at + STOP_GRACE + 1.0)] if not finished else []
-        for closer in closers + [self.exchange.shutdown]:
+        for closer in closers + [self.exchange.shutdown, self._shutdown_contributions]:
             try:
                 closer()
             except Exception as e:

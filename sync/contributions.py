@@ -1,0 +1,332 @@
+"""Rounds as signed, compressed contributions (`sync.protocol: contributions`; docs/DESIGN.md, "Rounds as
+contributions"), the SparseSync side.
+
+A round, for each peer, with no group and no reducer:
+1. contribute (round thread): its change since the last synchronized values, per shared tensor and per expert
+   it owns, plus its error feedback, compressed (sync/sparse.py; `sync.compression`). What compression left out
+   stays in the error feedback for later rounds. The blob is served by this peer's ContributionExchange and its
+   round, size, sha256 and weight are announced in its signed DHT record (`contrib`);
+2. gather: it waits (at most `matchmaking_time`) until every live peer announced this round, then fetches every
+   announced blob (from its origin, or from a peer that already holds it: the digest from the signed record makes
+   a passed-on blob as good as the origin's), until a deadline derived from the blobs' sizes and the measured
+   download rate (at most `round_timeout`); a blob not in by then is left out of this round;
+3. aggregate (sync/aggregate.py): every contribution decoded strictly against the names and shapes this peer
+   holds, the shared tensors' robust mean over all contributors (each clipped to the median norm, weights capped
+   at one round's tokens), each expert's over its owners (a single owner's change bounded by the relative change
+   of this peer's own round);
+4. apply (training thread): new synchronized values = last synchronized + outer(aggregate) — bit-identical on
+   every peer that aggregated the same contributions — and the live model moves by (new synchronized -
+   snapshot), keeping what it trained during the round. Experts' synchronized values are held in their storage
+   dtype (bf16 by default) on every peer, owners included, so owners and non-owners agree bit for bit. A digest
+   of all synchronized tensors goes into the record (`synced`); a peer whose digest differs from the others' for
+   the same round counts it (`divergent_rounds`).
+
+Blob tensor names: "s/{shared parameter name}" and "e{expert}/{expert tensor name}".
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.utils.logging import get_logger
+
+from sync.aggregate import Announcement, aggregate, change_within, contributors, fetch_deadline, majority_digest, norm64
+from sync.contrib_exchange import ContributionError, ContributionExchange
+from sync.delta import apply_rebased_
+from sync.records import MAX_BLOB_BYTES
+from sync.sparse import CodecError, SparseSpec, blob_digest, decode, encode
+
+if TYPE_CHECKING:
+    from sync.peer_record import PeerRecord
+    from sync.report import RoundReport
+
+logger = get_logger(__name__)
+
+Snapshot = dict[str, torch.Tensor]
+# Where an unmeasured download rate starts: a 20 Mbit/s home line (bytes per second).
+DEFAULT_RATE = 20e6 / 8
+# The shortest wait for blobs once announced: a request's round trip and a small blob's stream.
+MIN_FETCH_SECONDS = 2.0
+# How many sources a blob is asked from: its origin, then peers that may hold it already.
+SOURCES_PER_BLOB = 3
+METHOD_OF = {"none": "fp32", "fp16": "fp16", "8bit": "8bit", "sparse": "sparse"}
+
+
+class Contributions:
+    """Mixin of SparseSync (sync/rounds.py): the contribution protocol's round. Uses `model`, `swarm`, `cfg`,
+    `shared` (its `params`, `snapshot`, `synced`, `momentum` and its averager's state-sharing tensors),
+    `_expert_synced`, `rejects`, `max_weight`, `gate`, `round_id`."""
+
+    def _init_contributions(self) -> None:
+        self.contributing = self.cfg.protocol == "contributions"
+        self.divergent_rounds = 0
+        self.contrib_exchange: ContributionExchange | None = None
+        if not self.contributing:
+            return
+        sp = self.cfg.sparse
+        self._spec = SparseSpec(method=METHOD_OF[self.cfg.compression], chunk=sp.chunk, topk=sp.topk, bits=sp.bits)
+        self.contrib_exchange = ContributionExchange(self.swarm.dht, namespace=self.swarm.run_id, gate=self.gate,
+                                                     max_blob_bytes=MAX_BLOB_BYTES)
+        self._shared_names = [f"s/{name}" for name, _ in self.model.shared_parameters()]
+        self._ef: dict[str, torch.Tensor] = {}  # error feedback per blob tensor name (fp32, CPU)
+        self._own_blob: tuple[int, str, dict[str, torch.Tensor]] | None = None  # (round, digest, decoded)
+        self._shared_result: dict[str, torch.Tensor] | None = None  # the round's shared aggregate, for apply
+        self._download_rate: float | None = None  # bytes/s measured over the last round's fetches
+        self.synced_digest = ""
+        self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
+        self._expert_share = 0.0
+        # A contribution's deltas are measured from canonical values: experts as stored on non-owners.
+        self._reset_expert_references()
+
+    # ---- canonical synchronized values -----------------------------------------------------------------------
+
+    def _canonical(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A synchronized expert tensor as every peer holds it: rounded to the frozen-expert storage dtype."""
+        return tensor.detach().to("cpu", self.model.frozen_dtype).float().clone()  # never an alias of a live tensor
+
+    def _synced_expert(self, expert: int) -> Snapshot:
+        """The synchronized value of any expert: an owner's reference, or a non-owner's frozen storage."""
+        if expert in self._expert_synced:
+            return self._expert_synced[expert]
+        return {k: v.detach().float().cpu() for k, v in self.model.expert_tensors(expert).items()}
+
+    def _digest_synced(self) -> str:
+        """sha256 (first 32 hex digits) of every synchronized tensor, shared then experts, in a fixed order."""
+        h = hashlib.sha256()
+        for t in self.shared.synced:
+            h.update(t.contiguous().numpy().tobytes())
+        for expert in range(self.model.cfg.num_experts):
+            for _, t in sorted(self._synced_expert(expert).items()):
+                h.update(t.to(self.model.frozen_dtype).view(torch.int16 if self.model.frozen_dtype != torch.float32
+                                                            else torch.int32).numpy().tobytes())
+        return h.hexdigest()[:32]
+
+    def _serve_synced_state(self) -> None:
+        """Joiners download the shared tensors through the averager's state sharing (sync/fetch.py): it serves the
+        synchronized values, so a joiner starts from exactly what the others hold."""
+        with self.shared.averager.get_tensors() as tensors:
+            for tensor, synced in zip(tensors, self.shared.synced):
+                tensor.copy_(synced)
+
+    # ---- 1. contribute ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _contribute(self, own: dict[int, Snapshot], weight: int) -> tuple[int, str, int]:
+        """Build, keep and serve this round's blob (round thread). Returns (size, digest, expert bytes)."""
+        decay = self.cfg.sparse.ef_decay
+        deltas: dict[str, torch.Tensor] = {}
+        for name, snap, ref in zip(self._shared_names, self.shared.snapshot, self.shared.synced):
+            deltas[name] = snap - ref
+        for expert, snapshot in sorted(own.items()):
+            ref = self._expert_synced[expert]
+            for k in sorted(ref):
+                deltas[f"e{expert}/{k}"] = snapshot[k].float() - ref[k]
+        for name, delta in deltas.items():
+            ef = self._ef.get(name)
+            if ef is not None and ef.shape == delta.shape:
+                delta.add_(ef, alpha=decay)
+        blob, decoded = encode(deltas, self._spec)
+        # What did not go out is sent later (error feedback); the residual of an expert no longer owned is dropped.
+        self._ef = {name: deltas[name].sub_(decoded[name]) for name in deltas}
+        digest = blob_digest(blob)
+        self._own_blob = (self.round_id, digest, decoded)
+        self.contrib_exchange.publish(self.round_id, blob, digest)
+        expert_elems = sum(d.numel() for n, d in deltas.items() if not n.startswith("s/"))
+        total_elems = max(1, sum(d.numel() for d in deltas.values()))
+        return len(blob), digest, int(len(blob) * expert_elems / total_elems)
+
+    # ---- 2. + 3. gather and aggregate (round thread) --------------------------------------------------------
+
+    def _contribution_round(self, report: "RoundReport", own: dict[int, Snapshot], weight: int, step: int,
+                            tokens: int, rel_change: float) -> tuple[dict[str, "PeerRecord"], dict[int, Snapshot]]:
+        """The network part of a contribution round. Returns (records read, {expert: new synchronized value})."""
+        started = time.perf_counter()
+        size, digest, expert_bytes = self._contribute(own, weight)
+        self._expert_share = expert_bytes / max(size, 1)  # splits the served bytes by kind (contribution_bytes)
+        self.swarm.publish(experts=sorted(own), round=self.round_id, step=step, tokens=tokens,
+                           contrib=[self.round_id, size, digest, int(weight), sorted(own)])
+        report.timing["contribute"] = time.perf_counter() - started
+        records, announced = self._await_announcements(report)
+        gathering = time.perf_counter()
+        blobs = self._fetch_blobs(announced)
+        report.timing["gather"] = time.perf_counter() - gathering
+        aggregating = time.perf_counter()
+        decoded = {self.swarm.peer_id: self._own_blob[2]}
+        weights = {self.swarm.peer_id: float(weight)}
+        for peer_id, blob in blobs.items():
+            ann = announced[peer_id]
+            shapes = self._expected_shapes(ann.experts)
+            elems = {n: math.prod(s) for n, s in shapes.items()}
+            expert_part = sum(v for n, v in elems.items() if not n.startswith("s/")) / max(1, sum(elems.values()))
+            self._received["expert"] += len(blob) * expert_part
+            self._received["shared"] += len(blob) * (1 - expert_part)
+            try:
+                decoded[peer_id] = decode(blob, shapes, max_bytes=ann.size)
+                weights[peer_id] = float(ann.weight)
+            except CodecError as e:
+                self.rejects.add("malformed")
+                logger.warning(f"refused the contribution of peer ...{peer_id[-6:]} to round {self.round_id}: {e}")
+        report.group_size = len(decoded)
+        report.expected = len(announced) + 1
+        self._shared_result = self._aggregate_shared(decoded, weights)
+        means = self._aggregate_experts(decoded, weights, announced, own, rel_change)
+        report.timing["aggregate"] = time.perf_counter() - aggregating
+        others = self._others(records)
+        owned_elsewhere = {e for r in others.values() for e in r.experts} - set(own)
+        report.experts_synced = sorted(set(means))
+        report.experts_missing = sorted(owned_elsewhere - set(means))
+        self._check_divergence(others)
+        return records, means
+
+    def _expected_shapes(self, experts: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        shapes = {n: tuple(p.shape) for n, (_, p) in zip(self._shared_names, self.model.shared_parameters())}
+        for expert in experts:
+            for k, t in self.model.expert_tensors(expert).items():
+                shapes[f"e{expert}/{k}"] = tuple(t.shape)
+        return shapes
+
+    def _await_announcements(self, report: "RoundReport") -> tuple[dict[str, "PeerRecord"], dict[str, Announcement]]:
+        """Read the records until every live peer announced this round (or moved past it), at most
+        matchmaking_time: a slower peer's contribution counts when it comes in time, and nobody waits longer."""
+        deadline = time.monotonic() + self.cfg.matchmaking_time
+        while True:
+            records = self.swarm.peers()
+            others = self._others(records)
+            report.peers_seen = len(others) + 1
+            announced = contributors({p: r.announcement() for p, r in others.items()}, self.round_id)
+            waiting = [p for p, r in others.items() if p not in announced and r.round <= self.round_id
+                       and not r.follows]
+            if not waiting or time.monotonic() >= deadline or self._leaving:
+                return records, announced
+            time.sleep(0.2)
+
+    def _fetch_blobs(self, announced: dict[str, Announcement]) -> dict[str, bytes]:
+        if not announced:
+            return {}
+        total = sum(a.size for a in announced.values())
+        wait = fetch_deadline(total, self._download_rate or DEFAULT_RATE, MIN_FETCH_SECONDS, self.cfg.round_timeout)
+        requests = []
+        for origin, ann in announced.items():
+            holders = [p for p in announced if p != origin]
+            random.shuffle(holders)
+            requests.append(([origin] + holders[:SOURCES_PER_BLOB - 1], origin, ann.round, ann.size, ann.digest))
+        started = time.monotonic()
+        results = self.contrib_exchange.fetch_many(requests, deadline=started + wait)
+        blobs = {p: r for p, r in results.items() if isinstance(r, (bytes, bytearray))}
+        for origin, result in results.items():
+            if not isinstance(result, (bytes, bytearray)):
+                reason = "digest" if "digest" in str(result) else "missing"
+                self.rejects.add(reason)
+                logger.info(f"left out the contribution of peer ...{origin[-6:]} to round {self.round_id}: {result}")
+        got = sum(len(b) for b in blobs.values())
+        if got and blobs:
+            self._download_rate = got / max(time.monotonic() - started, 1e-3)
+        return blobs
+
+    def _aggregate_shared(self, decoded: dict[str, Snapshot], weights: dict[str, float]) -> dict[str, torch.Tensor]:
+        order = sorted(decoded)
+        mean, scales = aggregate([decoded[p] for p in order], [weights[p] for p in order], self.max_weight,
+                                 self._shared_names)
+        clipped = [p for p, s in zip(order, scales) if s < 1.0]
+        if len(order) >= 3 and clipped:
+            logger.debug(f"round {self.round_id}: clipped {len(clipped)} shared contribution(s) to the median norm")
+        return mean
+
+    def _aggregate_experts(self, decoded: dict[str, Snapshot], weights: dict[str, float],
+                           announced: dict[str, Announcement], own: dict[int, Snapshot],
+                           rel_change: float) -> dict[int, Snapshot]:
+        """Each expert's new synchronized value from its owners' deltas (this peer's own included)."""
+        experts_of = {p: set(a.experts) for p, a in announced.items()}
+        experts_of[self.swarm.peer_id] = set(own)
+        means: dict[int, Snapshot] = {}
+        for expert in range(self.model.cfg.num_experts):
+            owners = sorted(p for p in decoded if expert in experts_of.get(p, ()))
+            if not owners:
+                continue
+            ref = self._synced_expert(expert)
+            names = sorted(ref)
+            blob_names = [f"e{expert}/{k}" for k in names]
+            if len(owners) == 1 and owners[0] != self.swarm.peer_id:
+                delta = decoded[owners[0]]
+                ok = change_within(norm64(delta[n] for n in blob_names), norm64(ref.values()), rel_change,
+                                   self.cfg.max_delta_ratio * max(1, self._stale.get(expert, 0) + 1))
+                if not ok:
+                    self.rejects.add("delta")
+                    logger.warning(f"refused expert {expert}'s change from its owner ...{owners[0][-6:]}: "
+                                   f"out of proportion to this peer's own round")
+                    continue
+            mean, _ = aggregate([decoded[p] for p in owners], [weights[p] for p in owners], self.max_weight,
+                                blob_names)
+            new = {k: self._canonical(ref[k] + mean[b]) for k, b in zip(names, blob_names)}
+            if not all(bool(torch.isfinite(t).all()) for t in new.values()):
+                self.rejects.add("nonfinite")
+                continue
+            means[expert] = new
+        return means
+
+    def _check_divergence(self, others: dict[str, "PeerRecord"]) -> None:
+        """Compare the previous round's synchronized digest with the others' for the same round."""
+        if not self.synced_digest:
+            return
+        previous = self.round_id - 1
+        digests = {p: r.synced[1] for p, r in others.items() if r.synced and r.synced[0] == previous}
+        if not digests:
+            return
+        majority = majority_digest({**digests, self.swarm.peer_id: self.synced_digest})
+        if majority != self.synced_digest or any(d != self.synced_digest for d in digests.values()):
+            self.divergent_rounds += 1
+            differ = sum(d != self.synced_digest for d in digests.values())
+            logger.warning(f"round {previous}: {differ} of {len(digests)} peer(s) hold other synchronized tensors "
+                           f"than this peer (divergent rounds so far: {self.divergent_rounds})")
+
+    # ---- 4. apply (training thread) -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _apply_contributions(self) -> int:
+        """Shared tensors: synced += outer(aggregate); live += new synced - snapshot. Returns refused tensors."""
+        result, self._shared_result = self._shared_result, None
+        refused = 0
+        if result:
+            lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+            nesterov = self.shared.momentum is not None
+            for i, (name, param, snap, synced) in enumerate(zip(self._shared_names, self.shared.params,
+                                                                 self.shared.snapshot, self.shared.synced)):
+                agg = result[name]
+                if not bool(torch.isfinite(agg).all()):
+                    refused += 1
+                    self.rejects.add("nonfinite")
+                    continue
+                if nesterov:  # DiLoCo's outer step on the pseudo-gradient -agg (its state is durable)
+                    buf = self.shared.momentum[i]
+                    buf.mul_(mu).sub_(agg)
+                    synced.add_(agg.sub(buf, alpha=mu), alpha=lr)
+                    self.shared.anchor[i].copy_(synced)
+                else:
+                    synced.add_(agg)
+                apply_rebased_(param, synced, snap)
+        self._serve_synced_state()
+        return refused
+
+    def _after_contribution_apply(self) -> None:
+        """Once experts are applied too: the new digest goes into the record (stored by the heartbeat or the next
+        round's publish; round_id is this applied round)."""
+        self.synced_digest = self._digest_synced()
+        self.swarm.record.synced = [self.round_id, self.synced_digest]
+
+    def contribution_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(sent, received) payload bytes of contribution blobs so far, by kind ("shared", "expert"): a blob holds
+        both, so its bytes are split by the share of expert elements in it (sent: this peer's newest blob's)."""
+        if self.contrib_exchange is None:
+            return {"shared": 0, "expert": 0}, {"shared": 0, "expert": 0}
+        sent = self.contrib_exchange.bytes_sent()
+        expert = int(sent * self._expert_share)
+        return ({"shared": sent - expert, "expert": expert},
+                {k: int(v) for k, v in self._received.items()})
+
+    def _shutdown_contributions(self) -> None:
+        if self.contrib_exchange is not None:
+            self.contrib_exchange.shutdown()

@@ -1,0 +1,87 @@
+"""Rounds as contributions (sync/contributions.py) between real SparseSync peers on 127.0.0.1: every peer
+aggregates every contribution itself, and honest peers end each round with bit-identical synchronized tensors."""
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import MODEL, local_training, round_all, sync_cfg
+from model.config import ModelConfig
+
+BF16_MODEL = ModelConfig(**{**MODEL.__dict__, "frozen_expert_dtype": "bfloat16"})
+
+
+def contrib_cfg(**kw):
+    return sync_cfg(protocol="contributions", **kw)
+
+
+def expert_values(peer, expert: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in peer.model.expert_tensors(expert).items()}
+
+
+def assert_identical(peers) -> None:
+    digests = {p.sync.synced_digest for p in peers}
+    assert len(digests) == 1 and "" not in digests, digests
+    first = peers[0]
+    for other in peers[1:]:
+        for a, b in zip(first.sync.shared.synced, other.sync.shared.synced):
+            assert torch.equal(a, b)
+
+
+def test_sparse_rounds_keep_honest_peers_identical_and_move_every_expert(swarm_factory):
+    cfg = contrib_cfg(compression="sparse")
+    peers = [swarm_factory([0, 1], cfg, model_cfg=BF16_MODEL), swarm_factory([2], cfg, model_cfg=BF16_MODEL),
+             swarm_factory([3], cfg, model_cfg=BF16_MODEL)]
+    before = expert_values(peers[1], 0)
+    for r in range(3):
+        for i, peer in enumerate(peers):
+            local_training(peer, seed=10 * r + i)
+        reports = round_all(peers)
+        assert all(rep.group_size == 3 for rep in reports), [rep.group_size for rep in reports]
+        assert_identical(peers)
+    # No training since the last round's snapshot: every peer's live model is its synchronized model (up to the
+    # float32 rounding of live + (synced - snapshot)), and a non-owner holds exactly the owner's synchronized expert.
+    for peer in peers:
+        for (_, p), s in zip(peer.model.shared_parameters(), peer.sync.shared.synced):
+            assert torch.allclose(p.detach().float(), s, rtol=0, atol=1e-7)
+    owner_ref = peers[0].sync._expert_synced[0]
+    for k, v in expert_values(peers[1], 0).items():
+        assert torch.equal(v, owner_ref[k])
+    assert any(not torch.equal(before[k], v) for k, v in expert_values(peers[1], 0).items())
+    sent = [sum(p.sync.bytes_sent().values()) for p in peers]
+    received = [sum(p.sync.bytes_received().values()) for p in peers]
+    assert all(s > 0 for s in sent) and all(r > 0 for r in received)
+    assert all(p.sync.divergent_rounds == 0 for p in peers)
+
+
+def test_uncompressed_contributions_average_the_shared_change(swarm_factory):
+    cfg = contrib_cfg(compression="none")
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg), swarm_factory([0, 2], cfg)]
+    start = [s.clone() for s in peers[0].sync.shared.synced]
+    changes = []
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=100 + i)
+        changes.append([p.detach().float() - s for (_, p), s in zip(peer.model.shared_parameters(), start)])
+    round_all(peers)
+    assert_identical(peers)
+    # Honest changes of one scale: the median clip trims at most a few percent; the result is their mean.
+    for j, s in enumerate(peers[0].sync.shared.synced):
+        mean = sum(c[j] for c in changes) / 3
+        assert float((s - start[j] - mean).norm()) <= 0.02 * float(mean.norm())
+
+
+def test_a_blob_that_does_not_match_its_announcement_is_left_out(swarm_factory):
+    cfg = contrib_cfg(compression="sparse")
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
+    liar = peers[2]
+    serve = liar.sync.contrib_exchange.publish
+
+    def publish_other(round_id: int, blob: bytes, digest: str) -> None:
+        serve(round_id, bytes(reversed(blob)), digest)  # serves bytes that are not what its record announces
+
+    liar.sync.contrib_exchange.publish = publish_other
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=i)
+    reports = round_all(peers)
+    assert reports[0].group_size == 2 and reports[1].group_size == 2
+    assert_identical(peers[:2])
+    assert peers[0].sync.rejects.counts().get("digest", 0) + peers[0].sync.rejects.counts().get("missing", 0) >= 1
