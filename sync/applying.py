@@ -143,11 +143,17 @@ class Applying:
             logger.info(f"adopting experts {adopt}: no live owner; taking care of them until a peer owns them "
                         f"for good{f' (with the optimizer moments of their leaving owner: {with_moments})' if with_moments else ''}")
         owned = sorted((owned - set(back)) | set(adopt))
+        given = {e: self._expert_synced.get(e) for e in back}
         self.model.set_owned_experts(owned)
         for expert in back:
             self._expert_synced.pop(expert, None)
+            if getattr(self, "contributing", False) and given[expert] is not None:
+                # A non-owner holds the synchronized value, as every other peer does (sync/contributions.py);
+                # what it trained since goes to nobody (its owner's change counts).
+                self.model.load_expert_tensors(expert, given[expert])
         for expert in adopt:  # its last synchronized value is what this peer holds of it now
-            self._expert_synced[expert] = {k: v.detach().float().cpu().clone()
+            self._expert_synced[expert] = {k: (self._canonical(v) if getattr(self, "contributing", False)
+                                               else v.detach().float().cpu().clone())
                                            for k, v in self.model.expert_tensors(expert).items()}
         self.swarm.publish(experts=owned, caretaking=self.ownership.caretaking)
         return adopt, back
