@@ -62,6 +62,29 @@ def size_table(shared: dict, expert: dict, per_peer: int) -> str:
                          "ratio vs fp32", "reduction"], rows)
 
 
+def per_peer_table(shared: dict, expert: dict, per_peer: int, num_experts: int, peers: list[int]) -> str:
+    """Bytes one peer sends + receives per round, on average over the peers: contributions (every peer fetches
+    every other peer's blob; each byte a peer receives another sends, so the average sent equals the average
+    received, whoever serves a passed-on blob) against today's all-reduce path in theory (bench/comm.py
+    `expected_bytes`: butterfly all-reduce of the shared tensors in fp32, bf16 expert copies owner to non-owner).
+    Each of the N peers owns `per_peer` experts."""
+    from bench.comm import ShapeCount, expected_bytes
+
+    expert_numels = [math.prod(v) for v in expert.values()]
+    shape = ShapeCount(shared=[math.prod(v) for v in shared.values()], experts=expert_numels * num_experts)
+    rows = []
+    for n in peers:
+        today = sum(expected_bytes("SPES", n, shape, "none"))
+        for label, spec in {**specs(), "sparse top-16": SparseSpec(topk=16)}.items():
+            blob = encoded_size({**shared, **{f"e{i}.{k}": v for i in range(per_peer) for k, v in expert.items()}},
+                                spec)
+            moved = 2 * (n - 1) * blob
+            rows.append([str(n), label, f"{blob / 1e6:.2f}", f"{moved / 1e9:.3f}", f"{today / 1e9:.2f}",
+                         f"{moved / today:.4f}", f"{today / moved:.1f}x"])
+    return format_table(["peers", "codec", "blob MB", "contributions GB/peer/round", "today's fp32 path GB",
+                         "new / today", "reduction"], rows)
+
+
 def cost_table(expert: dict, embedding: tuple[int, ...]) -> str:
     gen = torch.Generator().manual_seed(0)
     cases = {"one expert": {n: torch.randn(s, generator=gen) for n, s in expert.items()},
@@ -105,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(expert)} tensors per expert ({sum(map(math.prod, expert.values())) / 1e6:.1f}M)")
     print(f"## Bytes per contribution, {args.shape} (default SparseSpec: chunk 4096, top-64, 2 bits)\n")
     print(size_table(shared, expert, per_peer))
+    from peer.config import load_config
+    num_experts = load_config(config_path(args.shape)).model.num_experts
+    print(f"\n## Bytes per peer per round (sent + received), {args.shape}, each peer owning {per_peer} experts\n")
+    print(per_peer_table(shared, expert, per_peer, num_experts, [4, 16]))
     if not args.no_cost:
         embedding = max(shared.values(), key=math.prod)
         print(f"\n## Encode/decode on random Gaussian tensors ({threads} CPU thread(s))\n")

@@ -104,6 +104,11 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
                                     _deep_merge(merge_off, {"train": {"own_expert_bias": 1.0}})),
         # Lever: the shared tensors (what every peer trains) averaged alone every N steps between full rounds
         # (sync.shared_every); `spes_sharedN`, N must divide H (parsed below).
+        # Rounds as contributions (sync/contributions.py): each peer serves one blob and aggregates everyone's.
+        "spes_contrib": lambda: Arm("spes_contrib", "SPES, contributions, uncompressed", peers, spes,
+                                    _deep_merge(merge_on, {"sync": {"protocol": "contributions", "compression": "none"}})),
+        "spes_sparse": lambda: Arm("spes_sparse", "SPES, contributions, sparse top-k", peers, spes,
+                                   _deep_merge(merge_on, {"sync": {"protocol": "contributions", "compression": "sparse"}})),
         "spes_big": lambda: Arm("spes_big", f"SPES, no merge, {2 * E} experts", peers, _split(2 * E, peers, 1), big),
         # Resolved in main() by measuring memory (bench/fit.py): DiLoCo on the largest MoE that fits spes_big's peer.
         "diloco_eqmem": lambda: Arm("diloco_eqmem", "DiLoCo at SPES-big's memory", peers, ["all"] * peers, merge_off),

@@ -63,6 +63,14 @@ class Durable:
             for i, (anchor, momentum) in enumerate(zip(self.shared.anchor, self.shared.momentum)):
                 tensors[f"shared.anchor.{i}"] = anchor
                 tensors[f"shared.momentum.{i}"] = momentum
+        if getattr(self, "contributing", False):
+            # Contributions: the synchronized shared values a change is measured from, and the error feedback
+            # (what compression has not sent yet); without them a restart drops both.
+            meta["contrib"] = True
+            for i, synced in enumerate(self.shared.synced):
+                tensors[f"contrib.synced.{i}"] = synced
+            for name, ef in self._ef.items():
+                tensors[f"contrib.ef.{name}"] = ef
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -82,7 +90,14 @@ class Durable:
             raise ValueError(f"finished_experts {finished!r} is not a list of experts")
         outer = self._checked_outer(tensors) if meta.get("outer") == "nesterov" else None
 
+        contrib = self._checked_contrib(tensors) if meta.get("contrib") is True else None
+
         self.round_id = max(self.round_id, round_id)
+        if contrib is not None and getattr(self, "contributing", False):
+            for dst, src in zip(self.shared.synced, contrib[0]):
+                dst.copy_(src)
+            self._ef = contrib[1]
+            self._serve_synced_state()
         self.rollbacks, self.deferred_rounds = counters["rollbacks"], counters["deferred_rounds"]
         # Caretaking only of experts it still owns (the checkpoint's ownership was restored with the model).
         self.ownership.adopted_from = {e: p for e, p in caretaking.items() if e in self.model.owned_experts}
@@ -92,6 +107,24 @@ class Durable:
         if outer is not None and self.shared.anchor is not None:
             for dst, src in zip(self.shared.anchor + self.shared.momentum, outer[0] + outer[1]):
                 dst.copy_(src)
+
+    def _checked_contrib(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """The checkpoint's synchronized shared values and error feedback, checked against this model: shapes,
+        finite; error feedback of tensors this peer no longer holds is dropped."""
+        synced = [tensors[f"contrib.synced.{i}"] for i in range(len(self.shared.params))]
+        for value, param in zip(synced, self.shared.params):
+            if value.shape != param.shape or not bool(torch.isfinite(value).all()):
+                raise ValueError("checkpointed synchronized shared tensors do not fit this model")
+        shapes = self._expected_shapes(tuple(sorted(self.model.owned_experts))) if getattr(self, "contributing",
+                                                                                           False) else {}
+        ef = {}
+        for key, value in tensors.items():
+            name = key[len("contrib.ef."):]
+            if key.startswith("contrib.ef.") and shapes.get(name) == tuple(value.shape):
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"checkpointed error feedback {name} is not finite")
+                ef[name] = value.float().clone()
+        return [t.float().clone() for t in synced], ef
 
     def _checked_outer(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The checkpoint's outer-optimizer tensors, checked against the shared parameters (None when this run

@@ -85,3 +85,27 @@ def test_a_blob_that_does_not_match_its_announcement_is_left_out(swarm_factory):
     assert reports[0].group_size == 2 and reports[1].group_size == 2
     assert_identical(peers[:2])
     assert peers[0].sync.rejects.counts().get("digest", 0) + peers[0].sync.rejects.counts().get("missing", 0) >= 1
+
+
+def test_error_feedback_and_synchronized_values_survive_a_restart(swarm_factory):
+    cfg = contrib_cfg(compression="sparse")
+    peer = swarm_factory([0, 1], cfg)
+    local_training(peer, seed=5)
+    round_all([peer])
+    tensors, meta = peer.sync.state_dict()
+    assert meta["contrib"] is True and any(k.startswith("contrib.ef.e0/") for k in tensors)
+    restarted = swarm_factory([0, 1], cfg, join=False)
+    restarted.sync.load_state_dict(tensors, meta)
+    assert set(restarted.sync._ef) == set(peer.sync._ef)
+    assert all(torch.equal(restarted.sync._ef[k], v) for k, v in peer.sync._ef.items())
+    assert all(torch.equal(a, b) for a, b in zip(restarted.sync.shared.synced, peer.sync.shared.synced))
+    # A checkpoint whose tensors do not fit is refused whole, changing nothing.
+    bad = dict(tensors, **{"contrib.synced.0": torch.full_like(tensors["contrib.synced.0"], float("nan"))})
+    other = swarm_factory([0, 1], cfg, join=False)
+    before = [s.clone() for s in other.sync.shared.synced]
+    try:
+        other.sync.load_state_dict(bad, meta)
+        raise AssertionError("a non-finite checkpoint was loaded")
+    except ValueError:
+        pass
+    assert all(torch.equal(a, b) for a, b in zip(before, other.sync.shared.synced))
