@@ -2,6 +2,7 @@
 
     python -m bench.byzantine                          # every attack + baselines (2 CPU cores: ~10 min)
     python -m bench.byzantine --quick --attacks nan,scale --baselines reference
+    python -m bench.byzantine --protocol contributions   # contribution-protocol attacks (c_*) + baselines
 
 Each arm starts a plain `hivemind-dht` bootstrap on 127.0.0.1, three honest `python -m peer.run` peers (experts
 0-1, 2-3, 4-5 of 8: experts 6-7 are owned by nobody, and the attackers that need to claim an expert take those,
@@ -17,6 +18,11 @@ peers that exited non-zero, refusals (the counters by reason that the peers' met
 build writes them; else the per-round `rejected N` of their logs), rounds averaged / rounds completed, mean round
 seconds, the largest round counter an honest peer reached (a forged round shows here) and what the attacker did.
 Writes results.json and table.md into --out; arm logs and run dirs go to --work-dir.
+
+`--protocol contributions` runs every arm (honest peers and attacker alike) with `sync.protocol: contributions`
+and `sync.compression: sparse` (CONTRIBUTION_OVERRIDE); its default attacks are then the contribution attacks of
+bench/adversary.py (c_*) and its default baselines reference and honest4 (the contribution protocol's aggregate
+is always the robust one, so honest4_plain measures nothing there). The c_* attacks need it.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from bench.adversary import ALLREDUCE_ATTACKS, ATTACKS
+from bench.adversary import ALLREDUCE_ATTACKS, ALLREDUCE_ERA_ATTACKS, ATTACKS, CONTRIB_ATTACKS
 from bench.common import REPO_ROOT, config_path, format_table, logger, setup_logging
 from bench.convergence import _deep_merge, _start_bootstrap, _stop
 
@@ -48,6 +54,11 @@ HONEST_EXPERTS = ["0-1", "2-3", "4-5"]
 FOURTH_EXPERTS = "6-7"
 SCALES = {"default": {"steps": 60, "every": 10}, "quick": {"steps": 20, "every": 10}}
 BASELINES = ("reference", "honest4", "honest4_plain")
+PROTOCOLS = ("allreduce", "contributions")
+# Every peer of every arm, honest and attacker, under --protocol contributions.
+CONTRIBUTION_OVERRIDE: dict[str, Any] = {"sync": {"protocol": "contributions", "compression": "sparse"}}
+DEFAULT_ATTACKS = {"allreduce": ALLREDUCE_ERA_ATTACKS, "contributions": CONTRIB_ATTACKS}
+DEFAULT_BASELINES = {"allreduce": BASELINES, "contributions": ("reference", "honest4")}
 _ROUND_RE = re.compile(r"round (\d+) applied at step \d+: shared group (\d+)(.*)")
 _SECONDS_RE = re.compile(r"([\d.]+)s \(([\d.]+)s blocked\)")
 
@@ -67,7 +78,12 @@ def plain_override_supported() -> bool:
     return set(PLAIN_AVERAGING_OVERRIDE.get("sync", {})) <= names and set(PLAIN_AVERAGING_OVERRIDE) <= {"sync"}
 
 
-def build_arms(attacks: list[str], baselines: list[str]) -> list[Arm]:
+def build_arms(attacks: list[str], baselines: list[str], protocol: str = "allreduce") -> list[Arm]:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
+    wrong = [a for a in attacks if a in CONTRIB_ATTACKS and protocol != "contributions"]
+    if wrong:
+        raise ValueError(f"attack(s) {', '.join(wrong)} need --protocol contributions")
     arms = []
     for name in baselines:
         if name == "reference":
@@ -86,6 +102,9 @@ def build_arms(attacks: list[str], baselines: list[str]) -> list[Arm]:
         if attack not in ATTACKS:
             raise ValueError(f"unknown attack {attack!r}; choose from {', '.join(ATTACKS)}")
         arms.append(Arm(attack, 3, attack=attack))
+    if protocol == "contributions":
+        for arm in arms:
+            arm.overrides = _deep_merge(CONTRIBUTION_OVERRIDE, arm.overrides)
     return arms
 
 
@@ -243,18 +262,20 @@ def _refusal_text(r: dict[str, Any]) -> str:
 def tables(results: list[dict[str, Any]]) -> str:
     by_arm = {r["arm"]: r for r in results}
     ref = by_arm.get("reference", {}).get("eval_loss")
+    ref_s = by_arm.get("reference", {}).get("round_s")
     rows = []
     for r in results:
         loss = r["eval_loss"]
         ratio = loss / ref if (loss is not None and ref and math.isfinite(loss)) else None
+        s_ratio = r["round_s"] / ref_s if (r["round_s"] is not None and ref_s) else None
         counter = r["round_counter"]
         rows.append([r["arm"], f"{r['honest']}" + (" + 1" if r["attack"] else ""), _fmt(loss), _fmt(ratio, ".3f"),
                      f"{r['honest_crashed']}/{r['honest']}", _refusal_text(r),
-                     f"{r['averaged_rounds']:.1f}/{r['rounds']:.1f}", _fmt(r["round_s"], ".1f"),
+                     f"{r['averaged_rounds']:.1f}/{r['rounds']:.1f}", _fmt(r["round_s"], ".1f"), _fmt(s_ratio, ".2f"),
                      f"{counter:.3g}" if counter > 10**6 else str(counter), str(r["redownloads"]),
                      f"{r['wall_s']:.0f}"])
     text = format_table(["arm", "peers", "honest eval loss", "÷ reference", "crashed", "refusals",
-                         "rounds averaged/done", "round s", "round counter", "re-downloads", "wall s"], rows)
+                         "rounds averaged/done", "round s", "round s ÷ ref", "round counter", "re-downloads", "wall s"], rows)
     robust, plain = by_arm.get("honest4"), by_arm.get("honest4_plain")
     if robust and plain:
         def ratio(key: str) -> str:
@@ -285,9 +306,13 @@ def build_id() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.byzantine", description=__doc__.split("\n\n")[0])
-    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma list of attacks ({', '.join(ATTACKS)})")
-    p.add_argument("--baselines", default=",".join(BASELINES),
-                   help="comma list of no-attacker arms: reference (needed for the ratios), honest4, honest4_plain")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="allreduce",
+                   help="round protocol of every peer; contributions adds sync.protocol: contributions and "
+                        "sync.compression: sparse to each config")
+    p.add_argument("--attacks", help=f"comma list of attacks ({', '.join(ATTACKS)}); default: every attack of "
+                                     "the protocol")
+    p.add_argument("--baselines", help="comma list of no-attacker arms: reference (needed for the ratios), honest4, "
+                                       "honest4_plain; default: all three (allreduce), reference,honest4 (contributions)")
     p.add_argument("--quick", action="store_true", help=f"fewer steps ({SCALES['quick']['steps']}): a smoke run")
     p.add_argument("--steps", type=int, help="local steps per peer")
     p.add_argument("--every", type=int, help="sync every H steps (also the evaluation interval)")
@@ -303,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps {steps} must be a multiple of --every {every} (the last evaluation follows a round)")
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     try:
-        arms = build_arms(split(args.attacks), split(args.baselines))
+        attacks = args.attacks if args.attacks is not None else ",".join(DEFAULT_ATTACKS[args.protocol])
+        baselines = args.baselines if args.baselines is not None else ",".join(DEFAULT_BASELINES[args.protocol])
+        arms = build_arms(split(attacks), split(baselines), args.protocol)
     except ValueError as e:
         p.error(str(e))
     out, work = Path(args.out), Path(args.work_dir)
@@ -317,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         r = results[-1]
         logger.info(f"arm {arm.name} done in {r['wall_s']:.0f}s: loss {_fmt(r['eval_loss'])}, "
                     f"crashed {r['honest_crashed']}/{r['honest']}")
-        (out / "results.json").write_text(json.dumps({"build": build, "steps": steps, "every": every,
-                                                      "arms": results}, indent=1))
-    header = (f"build {build or 'unknown'}: {steps} steps, H = {every}, configs/tiny.yaml with 8 experts, honest "
+        (out / "results.json").write_text(json.dumps({"build": build, "protocol": args.protocol, "steps": steps,
+                                                      "every": every, "arms": results}, indent=1))
+    protocol = (f"protocol {args.protocol}" + (" (sync.compression: sparse)" if args.protocol == "contributions"
+                                               else ""))
+    header = (f"build {build or 'unknown'}, {protocol}: {steps} steps, H = {every}, configs/tiny.yaml with 8 experts, honest "
               f"experts {', '.join(HONEST_EXPERTS)} (+ {FOURTH_EXPERTS} in the 4-peer arms)")
     text = tables(results)
     (out / "table.md").write_text(f"{header}\n\n{text}\n")

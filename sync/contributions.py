@@ -77,6 +77,7 @@ class Contributions:
         self._shared_result: dict[str, torch.Tensor] | None = None  # the round's shared aggregate, for apply
         self._download_rate: float | None = None  # bytes/s measured over the last round's fetches
         self.synced_digest = ""
+        self._repair_from: dict[str, "PeerRecord"] = {}  # peers holding the majority's synchronized state
         self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
         self._expert_share = 0.0
         # A contribution's deltas are measured from canonical values: experts as stored on non-owners.
@@ -282,6 +283,16 @@ class Contributions:
             differ = sum(d != self.synced_digest for d in digests.values())
             logger.warning(f"round {previous}: {differ} of {len(digests)} peer(s) hold other synchronized tensors "
                            f"than this peer (divergent rounds so far: {self.divergent_rounds})")
+        if majority != self.synced_digest:
+            # Repaired at this round's apply: its state is downloaded from peers that hold the majority's (a joiner
+            # that missed a round, a blob that reached some peers and not others in time).
+            self._repair_from = {p: others[p] for p, d in digests.items() if d == majority}
+
+    def _repair_sources(self) -> dict[str, "PeerRecord"]:
+        """(Training thread, at apply) The peers to re-download the synchronized state from, if this peer's
+        differed from the majority's; taken once."""
+        sources, self._repair_from = self._repair_from, {}
+        return sources
 
     # ---- 4. apply (training thread) -------------------------------------------------------------------------
 
@@ -308,14 +319,17 @@ class Contributions:
                 else:
                     synced.add_(agg)
                 apply_rebased_(param, synced, snap)
-        self._serve_synced_state()
         return refused
 
     def _after_contribution_apply(self) -> None:
         """Once experts are applied too: the new digest goes into the record (stored by the heartbeat or the next
         round's publish; round_id is this applied round)."""
+        self._serve_synced_state()
         self.synced_digest = self._digest_synced()
         self.swarm.record.synced = [self.round_id, self.synced_digest]
+        # A joiner (or a repairing peer) downloads the experts' synchronized values as of this round.
+        for expert, synced in self._expert_synced.items():
+            self.exchange.publish(self.round_id, expert, synced)
 
     def contribution_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
         """(sent, received) payload bytes of contribution blobs so far, by kind ("shared", "expert"): a blob holds

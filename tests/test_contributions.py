@@ -109,3 +109,24 @@ def test_error_feedback_and_synchronized_values_survive_a_restart(swarm_factory)
     except ValueError:
         pass
     assert all(torch.equal(a, b) for a, b in zip(before, other.sync.shared.synced))
+
+
+def test_a_peer_whose_synchronized_tensors_differ_repairs_within_one_round(swarm_factory):
+    cfg = contrib_cfg(compression="sparse")
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
+    round_all(peers)
+    assert_identical(peers)
+    odd = peers[2]
+    with torch.no_grad():  # as if it had applied a contribution the others never got
+        odd.sync.shared.synced[0].add_(1e-3)
+        next(iter(odd.model.shared_parameters()))[1].add_(1e-3)
+    odd.sync._after_contribution_apply()
+    assert odd.sync.synced_digest != peers[0].sync.synced_digest
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=i)
+    reports = round_all(peers)  # the odd peer sees the majority's digest of the last round and re-downloads
+    assert reports[2].redownloaded and not reports[0].redownloaded
+    assert_identical(peers)
+    assert odd.sync.divergent_rounds == 1
+    round_all(peers)
+    assert_identical(peers)
