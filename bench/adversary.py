@@ -250,9 +250,13 @@ class Attacker:
         from peer.node import round_token_cap
         self.sync = SparseSync(self.model, self.swarm, self.cfg.sync, **supported_kwargs(
             SparseSync, max_weight=round_token_cap(self.cfg)))
-        averager = self.sync.shared.averager
-        # Serving corrupted or stale state to joiners would mix a second attack into every other one.
-        averager.allow_state_sharing = self.attack == "state"
+        # Builds whose contribution protocol runs no averager (sync.shared_tensors) have none to configure.
+        averager = getattr(self.sync.shared, "averager", None)
+        if averager is None and self.attack == "state":
+            raise RuntimeError("state attack: this build's SparseSync has no averager (sync.protocol: contributions?)")
+        if averager is not None:
+            # Serving corrupted or stale state to joiners would mix a second attack into every other one.
+            averager.allow_state_sharing = self.attack == "state"
         if self.attack == "silent":
             self._make_silent()
         if contrib:

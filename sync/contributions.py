@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.utils.logging import get_logger
 
+from sync.codec import SHARED_KEY
 from sync.aggregate import Announcement, aggregate, change_within, contributors, fetch_deadline, majority_digest, norm64
 from sync.contrib_exchange import ContributionError, ContributionExchange
 from sync.delta import apply_rebased_
@@ -82,6 +83,7 @@ class Contributions:
         self._expert_share = 0.0
         # A contribution's deltas are measured from canonical values: experts as stored on non-owners.
         self._reset_expert_references()
+        self._serve_synced_state()
 
     # ---- canonical synchronized values -----------------------------------------------------------------------
 
@@ -107,11 +109,10 @@ class Contributions:
         return h.hexdigest()[:32]
 
     def _serve_synced_state(self) -> None:
-        """Joiners download the shared tensors through the averager's state sharing (sync/fetch.py): it serves the
-        synchronized values, so a joiner starts from exactly what the others hold."""
-        with self.shared.averager.get_tensors() as tensors:
-            for tensor, synced in zip(tensors, self.shared.synced):
-                tensor.copy_(synced)
+        """Joiners (and a repairing peer) download the synchronized shared values from the expert exchange
+        (sync/fetch.py `_download_shared`), exact (fp32), labelled with the round they are of."""
+        names = [n for n, _ in self.model.shared_parameters()]
+        self.exchange.publish(self.round_id, SHARED_KEY, dict(zip(names, self.shared.synced)), codec="none")
 
     # ---- 1. contribute ------------------------------------------------------------------------------------------
 

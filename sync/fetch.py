@@ -144,6 +144,8 @@ class ExpertFetching:
     def _download_shared(self, sources: list[str], want: int) -> list[list[torch.Tensor]]:
         """Shared-state copies from up to `want` of `sources` (fetched concurrently, more tried if some fail)."""
         timeout = min(self.cfg.round_timeout, 30.0)
+        if getattr(self, "contributing", False):
+            return self._download_synced_shared(sources, want, timeout)
         prefix = self.shared.averager.prefix
         copies: list[list[torch.Tensor]] = []
         with concurrent.futures.ThreadPoolExecutor(max(1, want)) as pool:
@@ -154,6 +156,30 @@ class ExpertFetching:
                 copies.extend(r for r in results if r is not None)
                 if len(copies) >= want:
                     break
+        return copies
+
+    def _download_synced_shared(self, sources: list[str], want: int, timeout: float) -> list[list[torch.Tensor]]:
+        """Contributions (sync/contributions.py): the synchronized shared values each source published with its
+        latest apply, exact, from up to `want` sources at once (more tried if some fail); names must match."""
+        names = [n for n, _ in self.model.shared_parameters()]
+        copies: list[list[torch.Tensor]] = []
+        for start in range(0, len(sources), want):
+            batch = sources[start:start + want - len(copies)]
+            futures = [self.exchange.fetch_shared_async(PeerID.from_base58(p), self.round_id, 0, timeout, bf16=False)
+                       for p in batch]
+            for future in futures:
+                try:
+                    fetched = future.result(timeout=timeout + 5.0)
+                except Exception:
+                    fetched = None
+                if fetched is None:
+                    continue
+                if sorted(fetched) != sorted(names):
+                    self.rejects.add("malformed")
+                    continue
+                copies.append([fetched[n] for n in names])
+            if len(copies) >= want:
+                break
         return copies
 
     def _forget_strikes_of_gone(self, records: dict[str, PeerRecord]) -> None:

@@ -57,7 +57,7 @@ class ExpertClient:
             self._fetch(peer, int(expert), int(round_id), timeout, request,
                         int(round_id) if min_round is None else int(min_round)), self._loop)
 
-    def fetch_shared_async(self, peer: PeerID, round_id: int, min_round: int, timeout: float,
+    def fetch_shared_async(self, peer: PeerID, round_id: int, min_round: int, timeout: float, bf16: bool = True,
                            ) -> concurrent.futures.Future:
         """A follower's download (sync/following.py): `peer`'s shared all-reduce result of `round_id` (or its
         newest, no older than `min_round`) in bf16; a `FetchedExpert` (name -> tensor) or None, never raises.
@@ -66,7 +66,7 @@ class ExpertClient:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
             return done
-        request = {"min_round": int(min_round), "bf16": True}
+        request = {"min_round": int(min_round), **({"bf16": True} if bf16 else {})}
         return asyncio.run_coroutine_threadsafe(
             self._fetch(peer, SHARED_KEY, int(round_id), timeout, request, int(min_round)), self._loop)
 

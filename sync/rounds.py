@@ -50,6 +50,7 @@ from sync.following import Following
 from sync.leave import LeaveHandoff
 from sync.merge import merge_alpha, merge_due
 from sync.shared import SharedAverager
+from sync.shared_tensors import SharedTensors
 from sync.ownership import Ownership
 from sync.progress import SwarmProgress
 from sync.schedule import Scheduling
@@ -106,9 +107,14 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         whole = cfg if cfg.compression != "sparse" else dataclasses.replace(cfg, compression="none")
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression=whole.compression,
                                        rejects=self.rejects, gate=gate)
-        self.bandwidth = bandwidth
-        self.shared = SharedAverager(model, swarm, whole, rejects=self.rejects, max_weight=max_weight, gate=gate,
-                                     bandwidth=bandwidth)
+        if cfg.protocol == "contributions":
+            # No averager process: no group to join, no all-reduce share to size by the uplink.
+            self.bandwidth = bandwidth = None
+            self.shared = SharedTensors(model, cfg, rejects=self.rejects)
+        else:
+            self.bandwidth = bandwidth
+            self.shared = SharedAverager(model, swarm, whole, rejects=self.rejects, max_weight=max_weight, gate=gate,
+                                         bandwidth=bandwidth)
         self._init_following(bandwidth)
         self._init_uplink()
         # Last synchronized value of each owned expert (what its own change in a round is measured from), rounds

@@ -130,3 +130,24 @@ def test_a_peer_whose_synchronized_tensors_differ_repairs_within_one_round(swarm
     assert odd.sync.divergent_rounds == 1
     round_all(peers)
     assert_identical(peers)
+
+
+def test_a_joiner_takes_the_synchronized_state_and_runs_no_averager(swarm_factory):
+    cfg = contrib_cfg(compression="sparse")
+    peers = [swarm_factory([0, 1], cfg, model_cfg=BF16_MODEL), swarm_factory([2, 3], cfg, model_cfg=BF16_MODEL)]
+    for r in range(2):
+        for i, peer in enumerate(peers):
+            local_training(peer, seed=10 * r + i)
+        round_all(peers)
+    assert_identical(peers)
+    joiner = swarm_factory([2], cfg, model_cfg=BF16_MODEL)  # joins: downloads the swarm's synchronized state
+    assert not hasattr(joiner.sync.shared, "averager")
+    for a, b in zip(joiner.sync.shared.synced, peers[0].sync.shared.synced):
+        assert torch.equal(a, b)
+    peers.append(joiner)
+    for r in range(2):
+        for i, peer in enumerate(peers):
+            local_training(peer, seed=100 + 10 * r + i)
+        reports = round_all(peers)
+        assert all(rep.group_size == 3 for rep in reports)
+    assert_identical(peers)
