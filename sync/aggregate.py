@@ -102,6 +102,13 @@ def change_within(delta_norm: float, reference_norm: float, own_relative_change:
     return delta_norm <= ratio * max(own_relative_change, floor) * max(reference_norm, 1e-6)
 
 
+def rounds_to_skip(strikes: int, cap: int = 32) -> int:
+    """Rounds a peer is neither waited for nor asked after `strikes` failures in a row (no announcement in
+    time, a blob that did not arrive or did not decode): 1, 2, 4, ... up to `cap`. A silent or hostile peer then
+    costs the others one wait, not one per round; an honest peer whose link came back is asked again soon."""
+    return 0 if strikes <= 0 else min(2 ** (strikes - 1), cap)
+
+
 def majority_digest(digests: Mapping[str, str]) -> str | None:
     """The digest most peers published for a round (ties: the smallest, so every peer picks the same one)."""
     counts: dict[str, int] = {}

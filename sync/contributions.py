@@ -35,7 +35,8 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from sync.codec import SHARED_KEY
-from sync.aggregate import Announcement, aggregate, change_within, contributors, fetch_deadline, majority_digest, norm64
+from sync.aggregate import (Announcement, aggregate, change_within, contributors, fetch_deadline, majority_digest,
+                            norm64, rounds_to_skip)
 from sync.contrib_exchange import ContributionError, ContributionExchange
 from sync.delta import apply_rebased_
 from sync.records import MAX_BLOB_BYTES
@@ -78,6 +79,10 @@ class Contributions:
         self._shared_result: dict[str, torch.Tensor] | None = None  # the round's shared aggregate, for apply
         self._download_rate: float | None = None  # bytes/s measured over the last round's fetches
         self.synced_digest = ""
+        # Peers that failed to contribute (no announcement in time, no blob, an undecodable one): strikes in a
+        # row, and the round until which they are neither waited for nor asked (sync.aggregate.rounds_to_skip).
+        self._misses: dict[str, int] = {}
+        self._skip_until: dict[str, int] = {}
         self._repair_from: dict[str, "PeerRecord"] = {}  # peers holding the majority's synchronized state
         self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
         self._expert_share = 0.0
@@ -169,9 +174,11 @@ class Contributions:
             try:
                 decoded[peer_id] = decode(blob, shapes, max_bytes=ann.size)
                 weights[peer_id] = float(ann.weight)
+                self._delivered(peer_id)
             except CodecError as e:
                 self.rejects.add("malformed")
                 logger.warning(f"refused the contribution of peer ...{peer_id[-6:]} to round {self.round_id}: {e}")
+                self._missed(peer_id, "sent an undecodable contribution")
         report.group_size = len(decoded)
         report.expected = len(announced) + 1
         self._shared_result = self._aggregate_shared(decoded, weights)
@@ -200,11 +207,28 @@ class Contributions:
             others = self._others(records)
             report.peers_seen = len(others) + 1
             announced = contributors({p: r.announcement() for p, r in others.items()}, self.round_id)
+            announced = {p: a for p, a in announced.items() if not self._skipped(p)}
             waiting = [p for p, r in others.items() if p not in announced and r.round <= self.round_id
-                       and not r.follows]
+                       and not r.follows and not self._skipped(p)]
             if not waiting or time.monotonic() >= deadline or self._leaving:
+                for peer_id in waiting:
+                    self._missed(peer_id, "announced no contribution in time")
                 return records, announced
             time.sleep(0.2)
+
+    def _skipped(self, peer_id: str) -> bool:
+        return self._skip_until.get(peer_id, 0) > self.round_id
+
+    def _missed(self, peer_id: str, why: str) -> None:
+        strikes = self._misses[peer_id] = self._misses.get(peer_id, 0) + 1
+        skip = rounds_to_skip(strikes)
+        self._skip_until[peer_id] = self.round_id + 1 + skip
+        logger.info(f"peer ...{peer_id[-6:]} {why} in round {self.round_id}: not waited for in the next {skip} "
+                    f"round(s)")
+
+    def _delivered(self, peer_id: str) -> None:
+        self._misses.pop(peer_id, None)
+        self._skip_until.pop(peer_id, None)
 
     def _fetch_blobs(self, announced: dict[str, Announcement]) -> dict[str, bytes]:
         if not announced:
@@ -223,7 +247,7 @@ class Contributions:
             if not isinstance(result, (bytes, bytearray)):
                 reason = "digest" if "digest" in str(result) else "missing"
                 self.rejects.add(reason)
-                logger.info(f"left out the contribution of peer ...{origin[-6:]} to round {self.round_id}: {result}")
+                self._missed(origin, f"served no valid contribution ({result})")
         got = sum(len(b) for b in blobs.values())
         if got and blobs:
             self._download_rate = got / max(time.monotonic() - started, 1e-3)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from sync.aggregate import (Announcement, aggregate, capped_weights, change_within, contributors, fetch_deadline,
+                            rounds_to_skip,
                             majority_digest, median_clip_scales)
 
 
@@ -81,3 +82,7 @@ def test_majority_digest_ties_pick_the_same_on_every_peer():
     assert majority_digest({"a": "x", "b": "y", "c": "x"}) == "x"
     assert majority_digest({"a": "y", "b": "x"}) == "x"
     assert majority_digest({}) is None
+
+
+def test_a_peer_that_keeps_failing_is_skipped_for_longer_each_time():
+    assert [rounds_to_skip(k) for k in range(8)] == [0, 1, 2, 4, 8, 16, 32, 32]
