@@ -6,8 +6,10 @@ what one peer may do to another's model is bounded here, on the receiver. The fu
 
 Determinism: every honest peer that aggregates the same contributions must get bit-identical tensors (their
 synchronized models stay identical; a digest of them is published, sync/contributions.py). So contributions are
-taken in peer-ID order, scales are computed in float64 and rounded once, and the weighted sum is accumulated one
-contribution at a time with elementwise float32 operations, whose results do not depend on thread counts.
+taken in peer-ID order, norms are computed in float64 and rounded to 2^-24 relative before they decide anything,
+scales are rounded to float32 once, and the weighted sum is accumulated one contribution at a time as a separate
+float32 multiply and add per element (IEEE-exact on every machine: no fused multiply-add, no reduction whose
+order depends on thread counts or vector width).
 
 Shape suffixes: N = contributions, P = elements of one tensor.
 """
@@ -46,8 +48,13 @@ def fetch_deadline(total_bytes: int, rate_bytes_per_s: float | None, floor_s: fl
 
 
 def norm64(tensors: Iterable[torch.Tensor]) -> float:
-    """L2 norm over several tensors, accumulated in float64 (so the clip scales of all peers agree)."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in tensors))
+    """L2 norm over several tensors, accumulated in float64 and rounded to 24 significant bits: summation orders
+    differ between machines by far less than that, so every peer decides clip scales from the same number."""
+    value = math.sqrt(sum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in tensors))
+    if value == 0 or not math.isfinite(value):
+        return value
+    mantissa, exponent = math.frexp(value)
+    return math.ldexp(round(mantissa * 2 ** 24) / 2 ** 24, exponent)
 
 
 def median_clip_scales(norms: Sequence[float]) -> list[float]:
@@ -73,7 +80,7 @@ def weighted_sum(tensors_N: Sequence[torch.Tensor], coefficients: Sequence[float
     """sum_n c_n x_n in float32, accumulated in order (deterministic on any machine)."""
     out_P = torch.zeros_like(tensors_N[0], dtype=torch.float32)
     for x_P, c in zip(tensors_N, coefficients):
-        out_P.add_(x_P.float(), alpha=c)
+        out_P.add_(x_P.float().mul(c))  # multiply, then add: never fused
     return out_P
 
 

@@ -336,10 +336,11 @@ class Contributions:
                     refused += 1
                     self.rejects.add("nonfinite")
                     continue
-                if nesterov:  # DiLoCo's outer step on the pseudo-gradient -agg (its state is durable)
+                if nesterov:  # DiLoCo's outer step on the pseudo-gradient -agg; separate IEEE operations, so
+                    # every peer computes the same bits (sync/aggregate.py, "Determinism")
                     buf = self.shared.momentum[i]
                     buf.mul_(mu).sub_(agg)
-                    synced.add_(agg.sub(buf, alpha=mu), alpha=lr)
+                    synced.add_(agg.sub(buf.mul(mu)).mul(lr))
                     self.shared.anchor[i].copy_(synced)
                 else:
                     synced.add_(agg)

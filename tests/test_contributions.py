@@ -159,3 +159,16 @@ def test_a_joiner_takes_the_synchronized_state_and_runs_no_averager(swarm_factor
         reports = round_all(peers)
         assert all(rep.group_size == 3 for rep in reports)
     assert_identical(peers)
+
+
+def test_nesterov_outer_steps_keep_peers_identical(swarm_factory):
+    cfg = contrib_cfg(compression="sparse", outer="nesterov")
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)]
+    start = [s.clone() for s in peers[0].sync.shared.synced]
+    for r in range(2):
+        for i, peer in enumerate(peers):
+            local_training(peer, seed=10 * r + i)
+        round_all(peers)
+        assert_identical(peers)
+    assert any(not torch.equal(a, b) for a, b in zip(start, peers[0].sync.shared.synced))
+    assert any(float(m.abs().max()) > 0 for m in peers[0].sync.shared.momentum)
