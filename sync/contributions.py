@@ -83,6 +83,7 @@ class Contributions:
         # row, and the round until which they are neither waited for nor asked (sync.aggregate.rounds_to_skip).
         self._misses: dict[str, int] = {}
         self._skip_until: dict[str, int] = {}
+        self._solo: set[int] = set()  # owned experts only this peer contributed to in the last round
         self._repair_from: dict[str, "PeerRecord"] = {}  # peers holding the majority's synchronized state
         self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
         self._expert_share = 0.0
@@ -128,17 +129,23 @@ class Contributions:
         deltas: dict[str, torch.Tensor] = {}
         for name, snap, ref in zip(self._shared_names, self.shared.snapshot, self.shared.synced):
             deltas[name] = snap - ref
+        solo = set()
         for expert, snapshot in sorted(own.items()):
             ref = self._expert_synced[expert]
+            if not self._co_owned(expert):
+                solo.add(expert)
             for k in sorted(ref):
                 deltas[f"e{expert}/{k}"] = snapshot[k].float() - ref[k]
         for name, delta in deltas.items():
             ef = self._ef.get(name)
             if ef is not None and ef.shape == delta.shape:
-                delta.add_(ef, alpha=decay)
+                delta.add_(ef.mul(decay))
         blob, decoded = encode(deltas, self._spec)
         # What did not go out is sent later (error feedback); the residual of an expert no longer owned is dropped.
-        self._ef = {name: deltas[name].sub_(decoded[name]) for name in deltas}
+        # An expert nobody else owns needs none: its owner keeps training its own values (_live_updates), so the
+        # part not sent yet stays in (live - synchronized) and goes out in later rounds by itself.
+        self._ef = {name: deltas[name].sub_(decoded[name]) for name in deltas
+                    if not (name.startswith("e") and int(name[1:name.index("/")]) in solo)}
         digest = blob_digest(blob)
         self._own_blob = (self.round_id, digest, decoded)
         self.contrib_exchange.publish(self.round_id, blob, digest)
@@ -182,7 +189,14 @@ class Contributions:
         report.group_size = len(decoded)
         report.expected = len(announced) + 1
         self._shared_result = self._aggregate_shared(decoded, weights)
-        means = self._aggregate_experts(decoded, weights, announced, own, rel_change)
+        # A single owner's expert change is judged against how much an honest round changes things: this peer's
+        # own round, or the contributors' median relative change (each one's largest over its shared tensors and
+        # experts): a peer that trained little itself would otherwise refuse every sole owner's change, and one
+        # liar among three or more cannot move the median.
+        experts_of = {p: a.experts for p, a in announced.items()}
+        experts_of[self.swarm.peer_id] = tuple(sorted(own))
+        rel = sorted(self._relative_change_of(d, experts_of.get(p, ())) for p, d in decoded.items())
+        means = self._aggregate_experts(decoded, weights, announced, own, max(rel_change, rel[len(rel) // 2]))
         report.timing["aggregate"] = time.perf_counter() - aggregating
         others = self._others(records)
         owned_elsewhere = {e for r in others.values() for e in r.experts} - set(own)
@@ -190,6 +204,24 @@ class Contributions:
         report.experts_missing = sorted(owned_elsewhere - set(means))
         self._check_divergence(others)
         return records, means
+
+    def _co_owned(self, expert: int) -> bool:
+        """Another live peer's record (the background reader's view, refreshed at the round's start) owns it."""
+        return any(expert in r.experts for r in self.progress.others().values())
+
+    def _live_updates(self, means: dict[int, Snapshot]) -> dict[int, Snapshot]:
+        """The experts whose new synchronized value the live model takes: all but those only this peer
+        contributed to this round. Their owner keeps its own values (ahead of what the others hold by what
+        compression has not sent yet); every other peer holds, and every digest covers, the synchronized value."""
+        return {e: m for e, m in means.items() if e not in self._solo}
+
+    def _relative_change_of(self, delta: Snapshot, experts: tuple[int, ...]) -> float:
+        """The largest relative change a contribution makes: over the shared tensors, and over each expert."""
+        values = [norm64(delta[n] for n in self._shared_names) / max(norm64(self.shared.synced), 1e-12)]
+        for expert in experts:
+            ref = self._synced_expert(expert)
+            values.append(norm64(delta[f"e{expert}/{k}"] for k in ref) / max(norm64(ref.values()), 1e-12))
+        return max(values)
 
     def _expected_shapes(self, experts: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         shapes = {n: tuple(p.shape) for n, (_, p) in zip(self._shared_names, self.model.shared_parameters())}
@@ -269,10 +301,13 @@ class Contributions:
         experts_of = {p: set(a.experts) for p, a in announced.items()}
         experts_of[self.swarm.peer_id] = set(own)
         means: dict[int, Snapshot] = {}
+        self._solo = set()
         for expert in range(self.model.cfg.num_experts):
             owners = sorted(p for p in decoded if expert in experts_of.get(p, ()))
             if not owners:
                 continue
+            if owners == [self.swarm.peer_id] and not self._co_owned(expert):
+                self._solo.add(expert)
             ref = self._synced_expert(expert)
             names = sorted(ref)
             blob_names = [f"e{expert}/{k}" for k in names]

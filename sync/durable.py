@@ -71,6 +71,9 @@ class Durable:
                 tensors[f"contrib.synced.{i}"] = synced
             for name, ef in self._ef.items():
                 tensors[f"contrib.ef.{name}"] = ef
+            for expert, synced in self._expert_synced.items():
+                for name, value in synced.items():
+                    tensors[f"contrib.expert.{expert}/{name}"] = value
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -97,6 +100,7 @@ class Durable:
             for dst, src in zip(self.shared.synced, contrib[0]):
                 dst.copy_(src)
             self._ef = contrib[1]
+            self._expert_synced.update(contrib[2])
             self._serve_synced_state()
         self.rollbacks, self.deferred_rounds = counters["rollbacks"], counters["deferred_rounds"]
         # Caretaking only of experts it still owns (the checkpoint's ownership was restored with the model).
@@ -108,9 +112,10 @@ class Durable:
             for dst, src in zip(self.shared.anchor + self.shared.momentum, outer[0] + outer[1]):
                 dst.copy_(src)
 
-    def _checked_contrib(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """The checkpoint's synchronized shared values and error feedback, checked against this model: shapes,
-        finite; error feedback of tensors this peer no longer holds is dropped."""
+    def _checked_contrib(self, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+        """The checkpoint's synchronized shared values, error feedback and owned experts' synchronized values,
+        checked against this model: shapes, finite; what belongs to tensors this peer no longer holds is dropped."""
         synced = [tensors[f"contrib.synced.{i}"] for i in range(len(self.shared.params))]
         for value, param in zip(synced, self.shared.params):
             if value.shape != param.shape or not bool(torch.isfinite(value).all()):
@@ -124,7 +129,15 @@ class Durable:
                 if not bool(torch.isfinite(value).all()):
                     raise ValueError(f"checkpointed error feedback {name} is not finite")
                 ef[name] = value.float().clone()
-        return [t.float().clone() for t in synced], ef
+        experts: dict[int, dict[str, torch.Tensor]] = {}
+        for expert in self.model.owned_experts:
+            live = self.model.expert_tensors(expert)
+            saved = {k: tensors.get(f"contrib.expert.{expert}/{k}") for k in live}
+            if all(v is not None and v.shape == live[k].shape for k, v in saved.items()):
+                if not all(bool(torch.isfinite(v).all()) for v in saved.values()):
+                    raise ValueError(f"checkpointed synchronized expert {expert} is not finite")
+                experts[expert] = {k: v.float().clone() for k, v in saved.items()}
+        return [t.float().clone() for t in synced], ef, experts
 
     def _checked_outer(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The checkpoint's outer-optimizer tensors, checked against the shared parameters (None when this run

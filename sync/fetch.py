@@ -94,7 +94,10 @@ class ExpertFetching:
         means = self._fetch_means(others, set(range(self.model.cfg.num_experts)), own_snapshots={})
         for expert, mean in means.items():
             self.model.load_expert_tensors(expert, mean)
-        self._reset_expert_references()
+        # Contributions: an owned expert no other peer served keeps its synchronized reference (restored from the
+        # checkpoint, or this peer's own): only its owner knows how far its live value is ahead of the others'.
+        keep = frozenset(self.model.owned_experts) - set(means) if getattr(self, "contributing", False) else frozenset()
+        self._reset_expert_references(keep)
 
     def _take_over_moments(self, experts: list[int], others: dict[str, PeerRecord]) -> None:
         """Handoff (docs/DESIGN.md, "Coverage"): the AdamW moments of experts this peer takes over, from a peer

@@ -208,10 +208,14 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
             self.progress.offer(records)  # the freshest view, for the steps until the reader's next read
         return {p: r for p, r in records.items() if p != self.swarm.peer_id}
 
-    def _reset_expert_references(self) -> None:
+    def _reset_expert_references(self, keep: frozenset[int] = frozenset()) -> None:
+        """Each owned expert's last synchronized value becomes its current value, except those in `keep` (an
+        expert only this peer trains keeps its reference under contributions: nobody else can serve it)."""
         # Contributions: as every peer stores them (sync/contributions.py), so owners and non-owners agree.
         cast = self._canonical if getattr(self, "contributing", False) else (lambda v: v.detach().float().cpu().clone())
-        self._expert_synced = {e: {k: cast(v) for k, v in self.model.expert_tensors(e).items()}
+        old = getattr(self, "_expert_synced", {})
+        self._expert_synced = {e: old[e] if e in keep and e in old else
+                               {k: cast(v) for k, v in self.model.expert_tensors(e).items()}
                                for e in self.model.owned_experts}
         self._stale = {}
 
@@ -412,7 +416,7 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
             if self.contributing:
                 # Its own experts: nobody else serves their synchronized value; this round's aggregate is it.
                 own = {e: m for e, m in means.items() if e in pending.own_snapshots and e in self.model.owned_experts}
-                self._apply_experts(own, pending.own_snapshots)
+                self._apply_experts(self._live_updates(own), pending.own_snapshots)
                 self._expert_synced.update({e: {k: v.clone() for k, v in m.items()} for e, m in own.items()})
                 self._after_contribution_apply()
         else:
@@ -435,7 +439,7 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
             if report.expert_group_size > 1 and self._expert_avg is not None:
                 report.rejected += self._expert_avg.apply(tokens=pending.weight)
             synced = self._synced_owned(means, pending.own_snapshots, report.expert_group_size > 1)
-            self._apply_experts(means, pending.own_snapshots)
+            self._apply_experts(self._live_updates(means) if self.contributing else means, pending.own_snapshots)
             if merge_due(pending.step, self.cfg.merge) and synced:
                 report.merge_alpha = merge_alpha(pending.step, self.cfg.merge)
                 self._merge(synced, report.merge_alpha)

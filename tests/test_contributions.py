@@ -101,12 +101,18 @@ def test_error_feedback_and_synchronized_values_survive_a_restart(swarm_factory)
     local_training(peer, seed=5)
     round_all([peer])
     tensors, meta = peer.sync.state_dict()
-    assert meta["contrib"] is True and any(k.startswith("contrib.ef.e0/") for k in tensors)
+    # Shared error feedback; an expert only this peer owns needs none (its owner keeps its own values) but its
+    # synchronized value is kept: nobody else could serve it.
+    assert meta["contrib"] is True and any(k.startswith("contrib.ef.s/") for k in tensors)
+    assert not any(k.startswith("contrib.ef.e0/") for k in tensors)
+    assert any(k.startswith("contrib.expert.0/") for k in tensors)
     restarted = swarm_factory([0, 1], cfg, join=False)
     restarted.sync.load_state_dict(tensors, meta)
     assert set(restarted.sync._ef) == set(peer.sync._ef)
     assert all(torch.equal(restarted.sync._ef[k], v) for k, v in peer.sync._ef.items())
     assert all(torch.equal(a, b) for a, b in zip(restarted.sync.shared.synced, peer.sync.shared.synced))
+    for expert, synced in peer.sync._expert_synced.items():
+        assert all(torch.equal(restarted.sync._expert_synced[expert][k], v) for k, v in synced.items())
     # A checkpoint whose tensors do not fit is refused whole, changing nothing.
     bad = dict(tensors, **{"contrib.synced.0": torch.full_like(tensors["contrib.synced.0"], float("nan"))})
     other = swarm_factory([0, 1], cfg, join=False)
@@ -172,3 +178,21 @@ def test_nesterov_outer_steps_keep_peers_identical(swarm_factory):
         assert_identical(peers)
     assert any(not torch.equal(a, b) for a, b in zip(start, peers[0].sync.shared.synced))
     assert any(float(m.abs().max()) > 0 for m in peers[0].sync.shared.momentum)
+
+
+def test_a_sole_owner_keeps_training_its_own_values_and_sends_the_rest_later(swarm_factory):
+    cfg = contrib_cfg(compression="sparse")
+    a, b = swarm_factory([0, 1], cfg, model_cfg=BF16_MODEL), swarm_factory([2, 3], cfg, model_cfg=BF16_MODEL)
+    local_training(b, seed=1)
+    trained = expert_values(b, 2)
+    round_all([a, b])
+    # b's live expert is what it trained (the round does not pull it back); a holds the synchronized value, which
+    # moved toward it by what one sparse round carries, and b's reference is that same value.
+    assert all(torch.equal(v, trained[k]) for k, v in expert_values(b, 2).items())
+    held = expert_values(a, 2)
+    assert all(torch.equal(held[k], b.sync._expert_synced[2][k]) for k in held)
+    gap = sum(float((trained[k] - held[k]).norm()) for k in held)
+    for r in range(4):  # nothing trained meanwhile: the rest of the gap goes out in the next rounds
+        round_all([a, b])
+    later = expert_values(a, 2)
+    assert sum(float((trained[k] - later[k]).norm()) for k in later) < gap
