@@ -84,18 +84,55 @@ def weighted_sum(tensors_N: Sequence[torch.Tensor], coefficients: Sequence[float
     return out_P
 
 
+def _coefficients(weights: Sequence[float], scales: Sequence[float]) -> list[float]:
+    total = sum(wi for wi, s in zip(weights, scales) if s > 0)
+    if total <= 0:
+        return []
+    return [float(torch.tensor(wi * s / total, dtype=torch.float32)) for wi, s in zip(weights, scales)]
+
+
+def dot64(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
+    """Sum of elementwise products over paired tensors in float64, rounded like norm64."""
+    value = sum(float(torch.dot(x.double().flatten(), y.double().flatten())) for x, y in zip(a, b))
+    if value == 0 or not math.isfinite(value):
+        return value
+    mantissa, exponent = math.frexp(value)
+    return math.ldexp(round(mantissa * 2 ** 24) / 2 ** 24, exponent)
+
+
 def aggregate(contributions: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], cap: float,
-              names: Sequence[str]) -> tuple[dict[str, torch.Tensor], list[float]]:
+              names: Sequence[str], min_cosine: float | None = 0.0) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The robust mean of `contributions` (each a dict name -> dense delta) over `names`: each contribution
-    clipped to the median norm (over those names), then weighted by its capped tokens. Returns the mean and the
-    clip scale applied to each contribution (1.0: not clipped), in the given order."""
+    clipped to the median norm (over those names) and weighted by its capped tokens; then, with three or more,
+    a contribution whose cosine with that mean is at most `min_cosine` (None: no such test) is left out and the
+    mean taken again without it. Returns the mean and the scale applied to each contribution (1.0: as sent;
+    0.0: left out), in the given order.
+
+    Why the direction test: the norm clip bounds how far one contribution moves the mean, not where to; one
+    attacker of four sending minus the honest change at the median norm raised the honest held-out loss 1.24x
+    (bench.byzantine c_reverse). Honest changes of one round agree in direction, so each has a positive cosine
+    with a mean they dominate; a reversed or rolled-back one (the untrained weights minus the synchronized ones)
+    has a negative one."""
     norms = [norm64(c[n] for n in names) for c in contributions]
     scales = median_clip_scales(norms)
     w = capped_weights(weights, cap)
-    total = sum(wi for wi, s in zip(w, scales) if s > 0)
-    if total <= 0:
+    coefficients = _coefficients(w, scales)
+    if not coefficients:
         return {}, scales
-    coefficients = [float(torch.tensor(wi * s / total, dtype=torch.float32)) for wi, s in zip(w, scales)]
+    mean = {n: weighted_sum([c[n] for c in contributions], coefficients) for n in names}
+    if min_cosine is None or len(contributions) < 3:
+        return mean, scales
+    mean_norm = norm64(mean.values())
+    if mean_norm == 0:
+        return mean, scales
+    cosines = [dot64((c[n] for n in names), (mean[n] for n in names)) / (norm * mean_norm) if norm > 0 and s > 0
+               else 1.0 for c, norm, s in zip(contributions, norms, scales)]
+    if all(cos > min_cosine for cos in cosines):
+        return mean, scales
+    scales = [0.0 if cos <= min_cosine else s for s, cos in zip(scales, cosines)]
+    coefficients = _coefficients(w, scales)
+    if not coefficients:
+        return {}, scales
     return {n: weighted_sum([c[n] for c in contributions], coefficients) for n in names}, scales
 
 

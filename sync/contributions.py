@@ -40,7 +40,7 @@ from sync.aggregate import (Announcement, aggregate, change_within, contributors
 from sync.contrib_exchange import ContributionError, ContributionExchange
 from sync.delta import apply_rebased_
 from sync.records import MAX_BLOB_BYTES
-from sync.sparse import CodecError, SparseSpec, blob_digest, decode, encode
+from sync.sparse import CodecError, SparseSpec, blob_digest, decode, encode, encoded_size
 
 if TYPE_CHECKING:
     from sync.peer_record import PeerRecord
@@ -83,6 +83,7 @@ class Contributions:
         # row, and the round until which they are neither waited for nor asked (sync.aggregate.rounds_to_skip).
         self._misses: dict[str, int] = {}
         self._skip_until: dict[str, int] = {}
+        self._delivered_ever: set[str] = set()
         self._solo: set[int] = set()  # owned experts only this peer contributed to in the last round
         self._repair_from: dict[str, "PeerRecord"] = {}  # peers holding the majority's synchronized state
         self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
@@ -240,8 +241,11 @@ class Contributions:
             report.peers_seen = len(others) + 1
             announced = contributors({p: r.announcement() for p, r in others.items()}, self.round_id)
             announced = {p: a for p, a in announced.items() if not self._skipped(p)}
+            # A peer that never delivered a contribution and missed once (a record with nothing behind it) is
+            # not waited for again: it costs one wait, not one every few rounds.
             waiting = [p for p, r in others.items() if p not in announced and r.round <= self.round_id
-                       and not r.follows and not self._skipped(p)]
+                       and not r.follows and not self._skipped(p)
+                       and not (self._misses.get(p) and p not in self._delivered_ever)]
             if not waiting or time.monotonic() >= deadline or self._leaving:
                 for peer_id in waiting:
                     self._missed(peer_id, "announced no contribution in time")
@@ -259,19 +263,28 @@ class Contributions:
                     f"round(s)")
 
     def _delivered(self, peer_id: str) -> None:
+        self._delivered_ever.add(peer_id)
         self._misses.pop(peer_id, None)
         self._skip_until.pop(peer_id, None)
 
     def _fetch_blobs(self, announced: dict[str, Announcement]) -> dict[str, bytes]:
         if not announced:
             return {}
-        total = sum(a.size for a in announced.values())
-        wait = fetch_deadline(total, self._download_rate or DEFAULT_RATE, MIN_FETCH_SECONDS, self.cfg.round_timeout)
         requests = []
-        for origin, ann in announced.items():
+        for origin, ann in list(announced.items()):
+            expected = encoded_size(self._expected_shapes(ann.experts), self._spec)
+            if ann.size != expected:  # the run's codec fixes every blob's size: nothing else is fetched
+                self.rejects.add("size")
+                self._missed(origin, f"announced a {ann.size}-byte contribution (the run's codec gives {expected})")
+                del announced[origin]
+                continue
             holders = [p for p in announced if p != origin]
             random.shuffle(holders)
             requests.append(([origin] + holders[:SOURCES_PER_BLOB - 1], origin, ann.round, ann.size, ann.digest))
+        if not requests:
+            return {}
+        total = sum(a.size for a in announced.values())
+        wait = fetch_deadline(total, self._download_rate or DEFAULT_RATE, MIN_FETCH_SECONDS, self.cfg.round_timeout)
         started = time.monotonic()
         results = self.contrib_exchange.fetch_many(requests, deadline=started + wait)
         blobs = {p: r for p, r in results.items() if isinstance(r, (bytes, bytearray))}
@@ -289,10 +302,15 @@ class Contributions:
         order = sorted(decoded)
         mean, scales = aggregate([decoded[p] for p in order], [weights[p] for p in order], self.max_weight,
                                  self._shared_names)
-        clipped = [p for p, s in zip(order, scales) if s < 1.0]
-        if len(order) >= 3 and clipped:
-            logger.debug(f"round {self.round_id}: clipped {len(clipped)} shared contribution(s) to the median norm")
+        self._note_left_out(order, scales, "shared tensors")
         return mean
+
+    def _note_left_out(self, order: list[str], scales: list[float], what: str) -> None:
+        left_out = [p for p, s in zip(order, scales) if s == 0.0]
+        for peer_id in left_out:
+            self.rejects.add("direction")
+            logger.warning(f"left out peer ...{peer_id[-6:]}'s change of the {what} in round {self.round_id}: it "
+                           f"points away from the others'")
 
     def _aggregate_experts(self, decoded: dict[str, Snapshot], weights: dict[str, float],
                            announced: dict[str, Announcement], own: dict[int, Snapshot],
@@ -320,8 +338,11 @@ class Contributions:
                     logger.warning(f"refused expert {expert}'s change from its owner ...{owners[0][-6:]}: "
                                    f"out of proportion to this peer's own round")
                     continue
-            mean, _ = aggregate([decoded[p] for p in owners], [weights[p] for p in owners], self.max_weight,
-                                blob_names)
+            mean, scales = aggregate([decoded[p] for p in owners], [weights[p] for p in owners], self.max_weight,
+                                     blob_names)
+            self._note_left_out(owners, scales, f"expert {expert}")
+            if not mean:
+                continue
             new = {k: self._canonical(ref[k] + mean[b]) for k, b in zip(names, blob_names)}
             if not all(bool(torch.isfinite(t).all()) for t in new.values()):
                 self.rejects.add("nonfinite")

@@ -18,9 +18,12 @@ import torch
 #                round's change (shared all-reduce result, expert copy, downloaded state);
 #   weight       an all-reduce part whose claimed weight was not finite or above the per-round token cap;
 #   unauthorized a request or group member without a valid ticket in a closed run;
-#   record       a DHT record refused by the record validator (unsigned, forged, malformed, far-future).
+#   record       a DHT record refused by the record validator (unsigned, forged, malformed, far-future);
+#   digest       a contribution whose bytes do not match the digest its signed record announced;
+#   size         a contribution announced at another size than the run's codec gives for its tensors;
+#   direction    a contribution pointing away from the round's aggregate (sync/aggregate.py).
 REJECT_REASONS = ("missing", "shape", "dtype", "nonfinite", "norm", "malformed", "delta", "weight", "unauthorized",
-                  "record")
+                  "record", "digest", "size", "direction")
 
 
 class RejectCounter:

@@ -43,10 +43,11 @@ def test_one_huge_contribution_of_three_moves_the_mean_at_most_by_its_share_of_t
     honest = [{"w": torch.full((1000,), 0.01)}, {"w": torch.full((1000,), 0.011)}]
     attacker = {"w": torch.full((1000,), -1000.0)}
     mean, scales = aggregate([honest[0], attacker, honest[1]], [10, 10, 10], cap=10, names=["w"])
-    assert scales[1] < 1e-4
-    # The attacker's clipped contribution has the median honest norm: the mean stays within 1/3 of it.
-    assert float(mean["w"].abs().max()) <= 0.011 / 3 + 1e-6
-    assert float(mean["w"].mean()) > -0.004
+    assert scales[1] == 0.0  # clipped to the median norm, then left out: it points against the mean
+    assert torch.allclose(mean["w"], torch.full((1000,), 0.0105), atol=1e-6)
+    # The norm clip alone bounds it to the median honest norm: the mean stays within 1/3 of that.
+    clipped, scales = aggregate([honest[0], attacker, honest[1]], [10, 10, 10], cap=10, names=["w"], min_cosine=None)
+    assert scales[1] < 1e-4 and float(clipped["w"].abs().max()) <= 0.011 / 3 + 1e-6
 
 
 def test_aggregate_without_outliers_is_the_weighted_mean():
@@ -86,3 +87,25 @@ def test_majority_digest_ties_pick_the_same_on_every_peer():
 
 def test_a_peer_that_keeps_failing_is_skipped_for_longer_each_time():
     assert [rounds_to_skip(k) for k in range(8)] == [0, 1, 2, 4, 8, 16, 32, 32]
+
+
+def test_a_reversed_contribution_at_the_median_norm_is_left_out():
+    g = torch.Generator().manual_seed(1)
+    common = torch.randn(5000, generator=g)
+    honest = [{"w": common + 0.8 * torch.randn(5000, generator=g)} for _ in range(3)]
+    honest_mean = sum(h["w"] for h in honest) / 3
+    reverse = {"w": -honest_mean / honest_mean.norm() * float(honest[0]["w"].norm())}
+    mean, scales = aggregate([*honest, reverse], [1, 1, 1, 1], cap=1, names=["w"])
+    assert scales[3] == 0.0 and all(s > 0 for s in scales[:3])
+    assert torch.allclose(mean["w"], sum(h["w"] * s for h, s in zip(honest, scales)) / 3, atol=1e-5)
+    # Without the direction test the reversed one stays in and pulls the mean back.
+    plain, _ = aggregate([*honest, reverse], [1, 1, 1, 1], cap=1, names=["w"], min_cosine=None)
+    assert float(plain["w"].norm()) < 0.7 * float(mean["w"].norm())
+
+
+def test_honest_contributions_of_one_round_all_stay_in():
+    g = torch.Generator().manual_seed(2)
+    common = torch.randn(5000, generator=g)
+    honest = [{"w": common + 1.5 * torch.randn(5000, generator=g)} for _ in range(4)]
+    _, scales = aggregate(honest, [1, 1, 1, 1], cap=1, names=["w"])
+    assert all(s > 0 for s in scales)
