@@ -109,6 +109,18 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
                                     _deep_merge(merge_on, {"sync": {"protocol": "contributions", "compression": "none"}})),
         "spes_sparse": lambda: Arm("spes_sparse", "SPES, contributions, sparse top-k", peers, spes,
                                    _deep_merge(merge_on, {"sync": {"protocol": "contributions", "compression": "sparse"}})),
+        "spes_sparse_keep": lambda: Arm("spes_sparse_keep", "SPES, contributions, sparse, residual kept live",
+                                        peers, spes, _deep_merge(merge_on, {"sync": {
+                                            "protocol": "contributions", "compression": "sparse",
+                                            "sparse": {"keep_residual": True}}})),
+        "spes_sparse256": lambda: Arm("spes_sparse256", "SPES, contributions, sparse top-256", peers, spes,
+                                      _deep_merge(merge_on, {"sync": {"protocol": "contributions",
+                                                                      "compression": "sparse",
+                                                                      "sparse": {"topk": 256}}})),
+        "spes_sparse_keep256": lambda: Arm("spes_sparse_keep256", "SPES, contributions, top-256, residual kept",
+                                           peers, spes, _deep_merge(merge_on, {"sync": {
+                                               "protocol": "contributions", "compression": "sparse",
+                                               "sparse": {"keep_residual": True, "topk": 256}}})),
         "spes_big": lambda: Arm("spes_big", f"SPES, no merge, {2 * E} experts", peers, _split(2 * E, peers, 1), big),
         # Resolved in main() by measuring memory (bench/fit.py): DiLoCo on the largest MoE that fits spes_big's peer.
         "diloco_eqmem": lambda: Arm("diloco_eqmem", "DiLoCo at SPES-big's memory", peers, ["all"] * peers, merge_off),

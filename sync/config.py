@@ -32,6 +32,10 @@ class SparseConfig:
     # Error feedback: what compression left out is kept and sent later; before each round the kept residual is
     # multiplied by this (1.0: nothing is ever dropped; SparseLoCo uses 0.95, standing in for outer momentum).
     ef_decay: float = 1.0
+    # Keep the part of this peer's shared change that compression did not send in its live model (it goes out in
+    # later rounds from there) instead of moving the live model to the synchronized values and holding the rest
+    # as error feedback. Every peer then trains on its own view ahead of the consensus by what it has not sent.
+    keep_residual: bool = False
 
 
 @dataclass

@@ -84,6 +84,7 @@ class Contributions:
         self._misses: dict[str, int] = {}
         self._skip_until: dict[str, int] = {}
         self._delivered_ever: set[str] = set()
+        self._kept: dict[str, torch.Tensor] = {}  # the last contribution's unsent part (sync.sparse.keep_residual)
         self._solo: set[int] = set()  # owned experts only this peer contributed to in the last round
         self._repair_from: dict[str, "PeerRecord"] = {}  # peers holding the majority's synchronized state
         self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
@@ -137,6 +138,7 @@ class Contributions:
                 solo.add(expert)
             for k in sorted(ref):
                 deltas[f"e{expert}/{k}"] = snapshot[k].float() - ref[k]
+        keep = self.cfg.sparse.keep_residual
         for name, delta in deltas.items():
             ef = self._ef.get(name)
             if ef is not None and ef.shape == delta.shape:
@@ -145,8 +147,12 @@ class Contributions:
         # What did not go out is sent later (error feedback); the residual of an expert no longer owned is dropped.
         # An expert nobody else owns needs none: its owner keeps training its own values (_live_updates), so the
         # part not sent yet stays in (live - synchronized) and goes out in later rounds by itself.
-        self._ef = {name: deltas[name].sub_(decoded[name]) for name in deltas
-                    if not (name.startswith("e") and int(name[1:name.index("/")]) in solo)}
+        residuals = {name: deltas[name].sub_(decoded[name]) for name in deltas
+                     if not (name.startswith("e") and int(name[1:name.index("/")]) in solo)}
+        # sync.sparse.keep_residual: what was not sent stays in the live model (_apply_contributions,
+        # _live_updates) instead of in a separate error feedback.
+        self._ef = {} if keep else residuals
+        self._kept = residuals if keep else {}
         digest = blob_digest(blob)
         self._own_blob = (self.round_id, digest, decoded)
         self.contrib_exchange.publish(self.round_id, blob, digest)
@@ -214,7 +220,13 @@ class Contributions:
         """The experts whose new synchronized value the live model takes: all but those only this peer
         contributed to this round. Their owner keeps its own values (ahead of what the others hold by what
         compression has not sent yet); every other peer holds, and every digest covers, the synchronized value."""
-        return {e: m for e, m in means.items() if e not in self._solo}
+        out = {}
+        for expert, mean in means.items():
+            if expert in self._solo:
+                continue
+            kept = {k: self._kept.get(f"e{expert}/{k}") for k in mean}
+            out[expert] = mean if any(v is None for v in kept.values()) else {k: mean[k] + kept[k] for k in mean}
+        return out
 
     def _relative_change_of(self, delta: Snapshot, experts: tuple[int, ...]) -> float:
         """The largest relative change a contribution makes: over the shared tensors, and over each expert."""
@@ -382,6 +394,7 @@ class Contributions:
         """Shared tensors: synced += outer(aggregate); live += new synced - snapshot. Returns refused tensors."""
         result, self._shared_result = self._shared_result, None
         refused = 0
+        own = self._own_blob[2] if self.cfg.sparse.keep_residual and self._own_blob is not None else None
         if result:
             lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
             nesterov = self.shared.momentum is not None
@@ -392,6 +405,9 @@ class Contributions:
                     refused += 1
                     self.rejects.add("nonfinite")
                     continue
+                # sync.sparse.keep_residual: the part of its own change not sent yet stays in its live model
+                # (then it needs no error feedback: it is in live - synchronized, like a sole owner's expert).
+                residual = snap.sub(synced).sub(own[name]) if own is not None else None
                 if nesterov:  # DiLoCo's outer step on the pseudo-gradient -agg; separate IEEE operations, so
                     # every peer computes the same bits (sync/aggregate.py, "Determinism")
                     buf = self.shared.momentum[i]
@@ -400,7 +416,7 @@ class Contributions:
                     self.shared.anchor[i].copy_(synced)
                 else:
                     synced.add_(agg)
-                apply_rebased_(param, synced, snap)
+                apply_rebased_(param, synced if residual is None else synced.add(residual), snap)
         return refused
 
     def _after_contribution_apply(self) -> None:

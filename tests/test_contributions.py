@@ -196,3 +196,20 @@ def test_a_sole_owner_keeps_training_its_own_values_and_sends_the_rest_later(swa
         round_all([a, b])
     later = expert_values(a, 2)
     assert sum(float((trained[k] - later[k]).norm()) for k in later) < gap
+
+
+def test_kept_residual_stays_in_the_live_model_and_goes_out_later(swarm_factory):
+    cfg = contrib_cfg(compression="sparse")
+    cfg.sparse.keep_residual = True
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    start = [s.clone() for s in a.sync.shared.synced]
+    local_training(a, seed=3)
+    local_training(b, seed=4)
+    trained = [p.detach().float().clone() for _, p in a.model.shared_parameters()]
+    round_all([a, b])
+    assert_identical([a, b])
+    sent = a.sync._own_blob[2]
+    for (name, p), s0, t, s in zip(a.model.shared_parameters(), start, trained, a.sync.shared.synced):
+        unsent = t - s0 - sent[f"s/{name}"]
+        assert torch.allclose(p.detach().float() - s, unsent, atol=1e-6)
+    assert not any(k.startswith("s/") for k in a.sync._ef)  # no separate error feedback for the shared tensors
