@@ -267,7 +267,9 @@ class PeerNode:
                 "blocked_s": self.blocked_seconds, "rejected": self.sync.rejects.counts(),
                 "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone,
                 "deferred_rounds": self.sync.deferred_rounds, "held_steps": self.sync.held_steps,
-                "relay_reservations": self.relay_keeper.held_count() if self.relay_keeper is not None else 0}
+                "relay_reservations": self.relay_keeper.held_count() if self.relay_keeper is not None else 0,
+                **({"divergent_rounds": self.sync.divergent_rounds, "synced_digest": self.sync.synced_digest}
+                   if self.sync.contributing else {})}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""

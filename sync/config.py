@@ -35,7 +35,7 @@ class SparseConfig:
     # Keep the part of this peer's shared change that compression did not send in its live model (it goes out in
     # later rounds from there) instead of moving the live model to the synchronized values and holding the rest
     # as error feedback. Every peer then trains on its own view ahead of the consensus by what it has not sent.
-    keep_residual: bool = False
+    keep_residual: bool = True
 
 
 @dataclass

@@ -25,13 +25,13 @@ Blob tensor names: "s/{shared parameter name}" and "e{expert}/{expert tensor nam
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import time
 from typing import TYPE_CHECKING
 
 import torch
+from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.codec import SHARED_KEY
@@ -40,6 +40,7 @@ from sync.aggregate import (Announcement, aggregate, change_within, contributors
 from sync.contrib_exchange import ContributionError, ContributionExchange
 from sync.delta import apply_rebased_
 from sync.records import MAX_BLOB_BYTES
+from sync.repair import Repair
 from sync.sparse import CodecError, SparseSpec, blob_digest, decode, encode, encoded_size
 
 if TYPE_CHECKING:
@@ -58,17 +59,18 @@ SOURCES_PER_BLOB = 3
 METHOD_OF = {"none": "fp32", "fp16": "fp16", "8bit": "8bit", "sparse": "sparse"}
 
 
-class Contributions:
+class Contributions(Repair):
     """Mixin of SparseSync (sync/rounds.py): the contribution protocol's round. Uses `model`, `swarm`, `cfg`,
     `shared` (its `params`, `snapshot`, `synced`, `momentum` and its averager's state-sharing tensors),
     `_expert_synced`, `rejects`, `max_weight`, `gate`, `round_id`."""
 
     def _init_contributions(self) -> None:
         self.contributing = self.cfg.protocol == "contributions"
-        self.divergent_rounds = 0
+        self._init_repair()
         self.contrib_exchange: ContributionExchange | None = None
         if not self.contributing:
             return
+        self.exchange.synced_provider = self._serve_synced
         sp = self.cfg.sparse
         self._spec = SparseSpec(method=METHOD_OF[self.cfg.compression], chunk=sp.chunk, topk=sp.topk, bits=sp.bits)
         self.contrib_exchange = ContributionExchange(self.swarm.dht, namespace=self.swarm.run_id, gate=self.gate,
@@ -86,7 +88,6 @@ class Contributions:
         self._delivered_ever: set[str] = set()
         self._kept: dict[str, torch.Tensor] = {}  # the last contribution's unsent part (sync.sparse.keep_residual)
         self._solo: set[int] = set()  # owned experts only this peer contributed to in the last round
-        self._repair_from: dict[str, "PeerRecord"] = {}  # peers holding the majority's synchronized state
         self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
         self._expert_share = 0.0
         # A contribution's deltas are measured from canonical values: experts as stored on non-owners.
@@ -106,15 +107,9 @@ class Contributions:
         return {k: v.detach().float().cpu() for k, v in self.model.expert_tensors(expert).items()}
 
     def _digest_synced(self) -> str:
-        """sha256 (first 32 hex digits) of every synchronized tensor, shared then experts, in a fixed order."""
-        h = hashlib.sha256()
-        for t in self.shared.synced:
-            h.update(t.contiguous().numpy().tobytes())
-        for expert in range(self.model.cfg.num_experts):
-            for _, t in sorted(self._synced_expert(expert).items()):
-                h.update(t.to(self.model.frozen_dtype).view(torch.int16 if self.model.frozen_dtype != torch.float32
-                                                            else torch.int32).numpy().tobytes())
-        return h.hexdigest()[:32]
+        """sha256 (first 32 hex digits) of every synchronized tensor (sync/repair.py `_digest_of`)."""
+        return self._digest_of(self.shared.synced,
+                               {e: self._synced_expert(e) for e in range(self.model.cfg.num_experts)})
 
     def _serve_synced_state(self) -> None:
         """Joiners (and a repairing peer) download the synchronized shared values from the expert exchange
@@ -172,6 +167,7 @@ class Contributions:
                            contrib=[self.round_id, size, digest, int(weight), sorted(own)])
         report.timing["contribute"] = time.perf_counter() - started
         records, announced = self._await_announcements(report)
+        self._check_divergence(self._others(records))  # sync/repair.py: before aggregating onto the references
         gathering = time.perf_counter()
         blobs = self._fetch_blobs(announced)
         report.timing["gather"] = time.perf_counter() - gathering
@@ -196,20 +192,21 @@ class Contributions:
         report.group_size = len(decoded)
         report.expected = len(announced) + 1
         self._shared_result = self._aggregate_shared(decoded, weights)
-        # A single owner's expert change is judged against how much an honest round changes things: this peer's
-        # own round, or the contributors' median relative change (each one's largest over its shared tensors and
-        # experts): a peer that trained little itself would otherwise refuse every sole owner's change, and one
-        # liar among three or more cannot move the median.
+        # A single owner's expert change is judged against how much an honest round changes things: the
+        # contributors' median relative change (each one's largest over its shared tensors and experts), the same
+        # number on every peer that got the same contributions (this peer's own round would make peers decide
+        # differently, and their synchronized tensors differ); one liar among three or more cannot move it.
         experts_of = {p: a.experts for p, a in announced.items()}
         experts_of[self.swarm.peer_id] = tuple(sorted(own))
         rel = sorted(self._relative_change_of(d, experts_of.get(p, ())) for p, d in decoded.items())
-        means = self._aggregate_experts(decoded, weights, announced, own, max(rel_change, rel[len(rel) // 2]))
+        means = self._aggregate_experts(decoded, weights, announced, own, rel[len(rel) // 2])
         report.timing["aggregate"] = time.perf_counter() - aggregating
         others = self._others(records)
         owned_elsewhere = {e for r in others.values() for e in r.experts} - set(own)
         report.experts_synced = sorted(set(means))
         report.experts_missing = sorted(owned_elsewhere - set(means))
-        self._check_divergence(others)
+        for expert, value in self._repaired_experts.items():  # repaired, though nobody contributed to it
+            means.setdefault(expert, value)
         return records, means
 
     def _co_owned(self, expert: int) -> bool:
@@ -244,9 +241,13 @@ class Contributions:
         return shapes
 
     def _await_announcements(self, report: "RoundReport") -> tuple[dict[str, "PeerRecord"], dict[str, Announcement]]:
-        """Read the records until every live peer announced this round (or moved past it), at most
-        matchmaking_time: a slower peer's contribution counts when it comes in time, and nobody waits longer."""
-        deadline = time.monotonic() + self.cfg.matchmaking_time
+        """Read the records until every live peer announced this round, at most matchmaking_time, or longer for a
+        peer whose record says when it expects to be ready for this round (`due`, sync.schedule): until then plus
+        matchmaking_time, within round_timeout. A slower honest peer's contribution so counts in the round it
+        trained for; nobody waits beyond that, and a peer that was at this round and announced nothing by then
+        is struck (sync.aggregate.rounds_to_skip)."""
+        start = time.monotonic()
+        base = start + self.cfg.matchmaking_time
         while True:
             records = self.swarm.peers()
             others = self._others(records)
@@ -255,12 +256,19 @@ class Contributions:
             announced = {p: a for p, a in announced.items() if not self._skipped(p)}
             # A peer that never delivered a contribution and missed once (a record with nothing behind it) is
             # not waited for again: it costs one wait, not one every few rounds.
-            waiting = [p for p, r in others.items() if p not in announced and r.round <= self.round_id
+            waiting = {p: r for p, r in others.items() if p not in announced and r.round <= self.round_id
                        and not r.follows and not self._skipped(p)
-                       and not (self._misses.get(p) and p not in self._delivered_ever)]
-            if not waiting or time.monotonic() >= deadline or self._leaving:
-                for peer_id in waiting:
-                    self._missed(peer_id, "announced no contribution in time")
+                       and not (self._misses.get(p) and p not in self._delivered_ever)}
+            now, dht_now = time.monotonic(), get_dht_time()
+            until = base
+            for r in waiting.values():
+                if r.due and r.due[0] == self.round_id:
+                    until = max(until, now + (float(r.due[1]) - dht_now) + self.cfg.matchmaking_time)
+            until = min(until, start + self.cfg.round_timeout)
+            if not waiting or now >= until or self._leaving:
+                for peer_id, r in waiting.items():
+                    if r.round == self.round_id:  # at this round and silent; one behind may still be training
+                        self._missed(peer_id, "announced no contribution in time")
                 return records, announced
             time.sleep(0.2)
 
@@ -338,17 +346,17 @@ class Contributions:
                 continue
             if owners == [self.swarm.peer_id] and not self._co_owned(expert):
                 self._solo.add(expert)
-            ref = self._synced_expert(expert)
+            ref = self._repaired_expert(expert)
             names = sorted(ref)
             blob_names = [f"e{expert}/{k}" for k in names]
-            if len(owners) == 1 and owners[0] != self.swarm.peer_id:
+            if len(owners) == 1:  # the owner judges its own change too: every peer must decide alike
                 delta = decoded[owners[0]]
                 ok = change_within(norm64(delta[n] for n in blob_names), norm64(ref.values()), rel_change,
-                                   self.cfg.max_delta_ratio * max(1, self._stale.get(expert, 0) + 1))
+                                   self.cfg.max_delta_ratio)
                 if not ok:
                     self.rejects.add("delta")
                     logger.warning(f"refused expert {expert}'s change from its owner ...{owners[0][-6:]}: "
-                                   f"out of proportion to this peer's own round")
+                                   f"out of proportion to the round's median change")
                     continue
             mean, scales = aggregate([decoded[p] for p in owners], [weights[p] for p in owners], self.max_weight,
                                      blob_names)
@@ -362,36 +370,12 @@ class Contributions:
             means[expert] = new
         return means
 
-    def _check_divergence(self, others: dict[str, "PeerRecord"]) -> None:
-        """Compare the previous round's synchronized digest with the others' for the same round."""
-        if not self.synced_digest:
-            return
-        previous = self.round_id - 1
-        digests = {p: r.synced[1] for p, r in others.items() if r.synced and r.synced[0] == previous}
-        if not digests:
-            return
-        majority = majority_digest({**digests, self.swarm.peer_id: self.synced_digest})
-        if majority != self.synced_digest or any(d != self.synced_digest for d in digests.values()):
-            self.divergent_rounds += 1
-            differ = sum(d != self.synced_digest for d in digests.values())
-            logger.warning(f"round {previous}: {differ} of {len(digests)} peer(s) hold other synchronized tensors "
-                           f"than this peer (divergent rounds so far: {self.divergent_rounds})")
-        if majority != self.synced_digest:
-            # Repaired at this round's apply: its state is downloaded from peers that hold the majority's (a joiner
-            # that missed a round, a blob that reached some peers and not others in time).
-            self._repair_from = {p: others[p] for p, d in digests.items() if d == majority}
-
-    def _repair_sources(self) -> dict[str, "PeerRecord"]:
-        """(Training thread, at apply) The peers to re-download the synchronized state from, if this peer's
-        differed from the majority's; taken once."""
-        sources, self._repair_from = self._repair_from, {}
-        return sources
-
     # ---- 4. apply (training thread) -------------------------------------------------------------------------
 
     @torch.no_grad()
     def _apply_contributions(self) -> int:
         """Shared tensors: synced += outer(aggregate); live += new synced - snapshot. Returns refused tensors."""
+        self._apply_repair()
         result, self._shared_result = self._shared_result, None
         refused = 0
         own = self._own_blob[2] if self.cfg.sparse.keep_residual and self._own_blob is not None else None
@@ -423,7 +407,7 @@ class Contributions:
         """Once experts are applied too: the new digest goes into the record (stored by the heartbeat or the next
         round's publish; round_id is this applied round)."""
         self._serve_synced_state()
-        self.synced_digest = self._digest_synced()
+        self.synced_digest, self._digest_round = self._digest_synced(), self.round_id
         self.swarm.record.synced = [self.round_id, self.synced_digest]
         # A joiner (or a repairing peer) downloads the experts' synchronized values as of this round.
         for expert, synced in self._expert_synced.items():

@@ -404,20 +404,11 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         self._last_network = pending.future  # may still run if abandoned (stop): shutdown waits for it
         applying = time.perf_counter()
         self._capture_pre_apply()
-        repair = self._repair_sources() if self.contributing else None
-        if pending.behind or repair:
-            if repair:  # sync/contributions.py: the others hold other synchronized tensors than this peer
-                logger.warning(f"re-downloading the synchronized state from {len(repair)} peer(s) that hold the "
-                               f"majority's (this peer's differed)")
-            else:
-                logger.info("fell more than one round behind the swarm: re-downloading its state")
-            self._download_state(repair or self._others())
+        if pending.behind:
+            logger.info("fell more than one round behind the swarm: re-downloading its state")
+            self._download_state(self._others())
             report.redownloaded = True
             if self.contributing:
-                # Its own experts: nobody else serves their synchronized value; this round's aggregate is it.
-                own = {e: m for e, m in means.items() if e in pending.own_snapshots and e in self.model.owned_experts}
-                self._apply_experts(self._live_updates(own), pending.own_snapshots)
-                self._expert_synced.update({e: {k: v.clone() for k, v in m.items()} for e, m in own.items()})
                 self._after_contribution_apply()
         else:
             folded = self.shared.take_folded()

@@ -139,6 +139,9 @@ class ExpertExchange(ExpertClient, StateDownloads):
         self.gate = gate
         # Set by the peer: expert -> its optimizer moments (name -> tensor) if this peer owns it, else None.
         self.moments_provider: Callable[[int], dict[str, torch.Tensor] | None] | None = None
+        # (expert, round) -> the synchronized value this peer holds of an expert it did not publish, if it is of
+        # that round (sync/repair.py: a repairing peer needs every expert's value, its own ones included).
+        self.synced_provider: Callable[[int, int], dict[str, torch.Tensor] | None] | None = None
         self.moments_served: set[int] = set()  # experts whose moments went out whole (a leaver's grace, sync/leave)
         # Set by the peer while its uplink is slow: each bf16 copy goes out once a round, later requesters are sent
         # to a peer that holds it (sync/copies.py). `held`: the copies this peer may pass on for others.
@@ -229,6 +232,18 @@ class ExpertExchange(ExpertClient, StateDownloads):
         return _Entry(names, [tensors[n].detach().to("cpu", torch.float32, copy=True).contiguous() for n in names],
                       codec=COMPRESSION_TYPES["none"])
 
+    def _synced_entry(self, expert: int, round_id: int) -> _Entry | None:
+        try:
+            tensors = self.synced_provider(expert, round_id)
+        except Exception as e:  # ownership changed meanwhile, ...: just not available
+            logger.debug(f"no synchronized value of expert {expert}@{round_id}: {e!r}")
+            tensors = None
+        if not tensors:
+            return None
+        names = list(tensors)
+        return _Entry(names, [tensors[n].detach().to("cpu", copy=True).contiguous() for n in names],
+                      codec=COMPRESSION_TYPES["none"])
+
     def published(self, expert: int) -> int | None:
         """The newest round published for `expert`, or None."""
         with self._lock:
@@ -303,6 +318,8 @@ class ExpertExchange(ExpertClient, StateDownloads):
             round_id, entry = parsed[2], self._moments_entry(expert)
         else:
             round_id, entry = self._lookup(expert, parsed[2], min_round)
+            if entry is None and self.synced_provider is not None:
+                entry = self._synced_entry(expert, round_id)
         if entry is None:
             # Not ours: maybe a copy this peer received with leave to pass it on (its owner sent the requester here).
             held = await self.held.find(expert, parsed[2]) if bf16 and not moments else None
