@@ -35,9 +35,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.codec import SHARED_KEY
-from sync.aggregate import (Announcement, aggregate, change_within, contributors, fetch_deadline, majority_digest,
+from sync.aggregate import (Announcement, aggregate, change_within, contributors, fetch_deadline,
                             norm64, rounds_to_skip)
-from sync.contrib_exchange import ContributionError, ContributionExchange
+from sync.contrib_exchange import ContributionExchange
 from sync.delta import apply_rebased_
 from sync.records import MAX_BLOB_BYTES
 from sync.repair import Repair

@@ -33,7 +33,8 @@ from sync.wire import COMPRESSIONS, CountingCompression, WireCounter, install_wi
 from sync.config import SyncConfig
 from sync.swarm import Swarm
 from sync.transfer import patch_hivemind_8bit_decoder
-from sync.robust import AggregationPolicy, coordinate_median, install_robust_reducer
+from sync.robust import AggregationPolicy, install_robust_reducer
+from sync.shared_tensors import load_shared_state
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -494,31 +495,11 @@ class SharedAverager:
         return True
 
     def load_state(self, candidates: list[list[torch.Tensor]]) -> bool:
-        """Late joiner / fell behind: take the shared tensors from copies downloaded from several peers.
-
-        Each copy must have the right shapes, be finite, and have per-tensor norms within sync.max_norm_ratio of
-        the local ones (a x1000 state is refused); of three or more valid copies the coordinate-wise median is
-        taken, so one hostile source cannot choose the state. Returns False (local values kept) if none is valid.
-        """
-        bound = [self.cfg.max_norm_ratio * max(float(torch.linalg.vector_norm(p.detach().float())),
-                                               1e-3 * math.sqrt(p.numel())) for p in self.params]
-        valid = []
-        for tensors in candidates:
-            if len(tensors) != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors, self.params)):
-                self._reject("shape")
-            elif not all(bool(torch.isfinite(t).all()) for t in tensors):
-                self._reject("nonfinite")
-            elif any(float(torch.linalg.vector_norm(t.float())) > b for t, b in zip(tensors, bound)):
-                self._reject("norm")
-            else:
-                valid.append([t.float() for t in tensors])
-        if not valid:
+        """Late joiner / fell behind: take the shared tensors from copies downloaded from several peers
+        (sync.shared_tensors.load_shared_state: shapes, finite, norms, the median of three or more). Returns
+        False (local values kept) if none is valid."""
+        if not load_shared_state(self.params, candidates, self.cfg.max_norm_ratio, self._reject):
             return False
-        with torch.no_grad():
-            for i, param in enumerate(self.params):
-                stacked = torch.stack([copy[i] for copy in valid])
-                value = coordinate_median(stacked) if len(valid) >= 3 else stacked[0]
-                param.copy_(value.to(param.device, param.dtype))
         self.reset_reference()
         return True
 

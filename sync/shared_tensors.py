@@ -9,6 +9,7 @@ protocol) so the round's other parts (scheduling, ownership, durable state) need
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from hivemind.utils.logging import get_logger
@@ -19,6 +20,34 @@ from sync.robust import coordinate_median
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
+
+
+def load_shared_state(params: list[torch.Tensor], candidates: list[list[torch.Tensor]], max_norm_ratio: float,
+                      reject: Callable[[str], None]) -> bool:
+    """Copy into `params` the shared tensors downloaded from several peers: each copy must have the right shapes,
+    be finite and have per-tensor norms within `max_norm_ratio` of the local ones (a x1000 state is refused); of
+    three or more valid copies the coordinate-wise median is taken, so one hostile source cannot choose the state
+    (identical honest copies: exactly theirs). False, and nothing changed, if none is valid."""
+    bound = [max_norm_ratio * max(float(torch.linalg.vector_norm(p.detach().float())), 1e-3 * math.sqrt(p.numel()))
+             for p in params]
+    valid = []
+    for tensors in candidates:
+        if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params)):
+            reject("shape")
+        elif not all(bool(torch.isfinite(t).all()) for t in tensors):
+            reject("nonfinite")
+        elif any(float(torch.linalg.vector_norm(t.float())) > b for t, b in zip(tensors, bound)):
+            reject("norm")
+        else:
+            valid.append([t.float() for t in tensors])
+    if not valid:
+        return False
+    with torch.no_grad():
+        for i, param in enumerate(params):
+            stacked = torch.stack([copy[i] for copy in valid])
+            value = coordinate_median(stacked) if len(valid) >= 3 else stacked[0]
+            param.copy_(value.to(param.device, param.dtype))
+    return True
 
 
 class SharedTensors:
@@ -55,28 +84,10 @@ class SharedTensors:
             synced.copy_(snap)
 
     def load_state(self, candidates: list[list[torch.Tensor]]) -> bool:
-        """Joiner / repair: the synchronized shared values from copies downloaded from several peers. Each copy
-        must have the right shapes, be finite and within sync.max_norm_ratio of the local norms; of three or more
-        the coordinate-wise median is taken (identical honest copies: exactly theirs). False: none valid."""
-        bound = [self.cfg.max_norm_ratio * max(float(torch.linalg.vector_norm(p.detach().float())),
-                                               1e-3 * math.sqrt(p.numel())) for p in self.params]
-        valid = []
-        for tensors in candidates:
-            if len(tensors) != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors, self.params)):
-                self._reject("shape")
-            elif not all(bool(torch.isfinite(t).all()) for t in tensors):
-                self._reject("nonfinite")
-            elif any(float(torch.linalg.vector_norm(t.float())) > b for t, b in zip(tensors, bound)):
-                self._reject("norm")
-            else:
-                valid.append([t.float() for t in tensors])
-        if not valid:
+        """Joiner: the synchronized shared values from copies downloaded from several peers (load_shared_state);
+        they become this peer's synchronized values. False (local values kept) if none is valid."""
+        if not load_shared_state(self.params, candidates, self.cfg.max_norm_ratio, self._reject):
             return False
-        with torch.no_grad():
-            for i, param in enumerate(self.params):
-                stacked = torch.stack([copy[i] for copy in valid])
-                value = coordinate_median(stacked) if len(valid) >= 3 else stacked[0]
-                param.copy_(value.to(param.device, param.dtype))
         self.reset_reference()
         return True
 
