@@ -198,7 +198,12 @@ class Contributions(Repair):
         # differently, and their synchronized tensors differ); one liar among three or more cannot move it.
         experts_of = {p: a.experts for p, a in announced.items()}
         experts_of[self.swarm.peer_id] = tuple(sorted(own))
-        rel = sorted(self._relative_change_of(d, experts_of.get(p, ())) for p, d in decoded.items())
+        # The references' norms once per round, not once per contributor (a full pass over the model each).
+        ref_norms = {e: max(norm64(self._synced_expert(e).values()), 1e-12)
+                     for e in sorted({e for p in decoded for e in experts_of.get(p, ())})}
+        shared_norm = max(norm64(self.shared.synced), 1e-12)
+        rel = sorted(self._relative_change_of(d, experts_of.get(p, ()), shared_norm, ref_norms)
+                     for p, d in decoded.items())
         means = self._aggregate_experts(decoded, weights, announced, own, rel[len(rel) // 2])
         report.timing["aggregate"] = time.perf_counter() - aggregating
         others = self._others(records)
@@ -225,12 +230,14 @@ class Contributions(Repair):
             out[expert] = mean if any(v is None for v in kept.values()) else {k: mean[k] + kept[k] for k in mean}
         return out
 
-    def _relative_change_of(self, delta: Snapshot, experts: tuple[int, ...]) -> float:
-        """The largest relative change a contribution makes: over the shared tensors, and over each expert."""
-        values = [norm64(delta[n] for n in self._shared_names) / max(norm64(self.shared.synced), 1e-12)]
+    def _relative_change_of(self, delta: Snapshot, experts: tuple[int, ...], shared_norm: float,
+                            ref_norms: dict[int, float]) -> float:
+        """The largest relative change a contribution makes: over the shared tensors, and over each expert
+        (`shared_norm`, `ref_norms`: the synchronized references' norms)."""
+        values = [norm64(delta[n] for n in self._shared_names) / shared_norm]
         for expert in experts:
-            ref = self._synced_expert(expert)
-            values.append(norm64(delta[f"e{expert}/{k}"] for k in ref) / max(norm64(ref.values()), 1e-12))
+            names = [n for n in delta if n.startswith(f"e{expert}/")]
+            values.append(norm64(delta[n] for n in names) / ref_norms[expert])
         return max(values)
 
     def _expected_shapes(self, experts: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
