@@ -199,7 +199,7 @@ class Contributions(Repair):
         experts_of = {p: a.experts for p, a in announced.items()}
         experts_of[self.swarm.peer_id] = tuple(sorted(own))
         # The references' norms once per round, not once per contributor (a full pass over the model each).
-        ref_norms = {e: max(norm64(self._synced_expert(e).values()), 1e-12)
+        ref_norms = {e: max(norm64(self._repaired_expert(e).values()), 1e-12)
                      for e in sorted({e for p in decoded for e in experts_of.get(p, ())})}
         shared_norm = max(norm64(self.shared.synced), 1e-12)
         rel = sorted(self._relative_change_of(d, experts_of.get(p, ()), shared_norm, ref_norms)
