@@ -7,7 +7,7 @@ Table 1 (sizes) uses `sync.sparse.encoded_size` on the real parameter shapes, ta
 (`model.model.SpesMoE`) built on the meta device (no memory, so 1B parameters are never allocated): the shared
 tensors (`shared_parameters()`) and one expert's tensors (`expert_tensors(e)`, the same shapes for every e).
 A contribution is the shared tensors plus the experts a peer owns (`sync.experts_per_peer` of the config).
-Header bytes are included. Ratios are vs fp32.
+Header bytes are included. Ratios are vs fp32; bits/param = 8 · blob bytes / parameters in the contribution.
 
 Table 2 (cost) encodes and decodes real random Gaussian tensors of one expert's shapes (and, separately, of the
 largest shared tensor, the embedding) on this machine's CPU and reports wall time and the relative
@@ -51,15 +51,16 @@ def specs() -> dict[str, SparseSpec]:
 
 def size_table(shared: dict, expert: dict, per_peer: int) -> str:
     rows, base = [], None
+    params = sum(map(math.prod, shared.values())) + per_peer * sum(map(math.prod, expert.values()))
     for label, spec in specs().items():
         s, e = encoded_size(shared, spec), encoded_size(expert, spec)
         contribution = encoded_size({**shared, **{f"e{i}.{n}": v for i in range(per_peer) for n, v in expert.items()}},
                                     spec)
         base = base or contribution
         rows.append([label, f"{s / 1e6:.2f}", f"{e / 1e6:.2f}", f"{contribution / 1e6:.2f}",
-                     f"{contribution / base:.4f}", f"{base / contribution:.1f}x"])
+                     f"{8 * contribution / params:.3f}", f"{contribution / base:.4f}", f"{base / contribution:.1f}x"])
     return format_table(["method", "shared MB", "one expert MB", f"shared + {per_peer} experts MB",
-                         "ratio vs fp32", "reduction"], rows)
+                         "bits/param", "ratio vs fp32", "reduction"], rows)
 
 
 def per_peer_table(shared: dict, expert: dict, per_peer: int, num_experts: int, peers: list[int]) -> str:
@@ -73,16 +74,18 @@ def per_peer_table(shared: dict, expert: dict, per_peer: int, num_experts: int, 
     expert_numels = [math.prod(v) for v in expert.values()]
     shape = ShapeCount(shared=[math.prod(v) for v in shared.values()], experts=expert_numels * num_experts)
     rows = []
+    params = sum(map(math.prod, shared.values())) + per_peer * sum(map(math.prod, expert.values()))
+    codecs = {**specs(), **{f"sparse top-{k}": SparseSpec(topk=k) for k in (16, 128, 256)}}
     for n in peers:
         today = sum(expected_bytes("SPES", n, shape, "none"))
-        for label, spec in {**specs(), "sparse top-16": SparseSpec(topk=16)}.items():
+        for label, spec in codecs.items():
             blob = encoded_size({**shared, **{f"e{i}.{k}": v for i in range(per_peer) for k, v in expert.items()}},
                                 spec)
             moved = 2 * (n - 1) * blob
-            rows.append([str(n), label, f"{blob / 1e6:.2f}", f"{moved / 1e9:.3f}", f"{today / 1e9:.2f}",
-                         f"{moved / today:.4f}", f"{today / moved:.1f}x"])
-    return format_table(["peers", "codec", "blob MB", "contributions GB/peer/round", "today's fp32 path GB",
-                         "new / today", "reduction"], rows)
+            rows.append([str(n), label, f"{blob / 1e6:.2f}", f"{8 * blob / params:.3f}", f"{moved / 1e9:.3f}",
+                         f"{today / 1e9:.2f}", f"{moved / today:.4f}", f"{today / moved:.1f}x"])
+    return format_table(["peers", "codec", "blob MB", "bits/param", "contributions GB/peer/round",
+                         "today's fp32 path GB", "new / today", "reduction"], rows)
 
 
 def cost_table(expert: dict, embedding: tuple[int, ...]) -> str:

@@ -23,7 +23,8 @@ class MergeConfig:
 class SparseConfig:
     """The sparse codec of contributions (sync/sparse.py; `compression: sparse`, SparseLoCo-style)."""
 
-    # Elements per chunk of a flattened tensor (a power of two up to 65536; indices take log2(chunk) bits).
+    # Elements per chunk of a flattened tensor (a power of two up to 65536; indices take about 2 + log2(chunk/topk)
+    # bits each, Elias-Fano coded).
     chunk: int = 4096
     # Largest-magnitude entries kept per chunk.
     topk: int = 64

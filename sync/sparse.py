@@ -6,7 +6,7 @@ one self-describing blob and also returns, per name, exactly what a receiver wil
 
 Blob layout (all integers little-endian):
 
-    b"SPSC" | u8 version (1) | u32 header length H | msgpack header (H bytes) | raw sections, in header order
+    b"SPSC" | u8 version (2) | u32 header length H | msgpack header (H bytes) | raw sections, in header order
 
     header = {"chunk": int, "topk": int, "bits": int,
               "tensors": [[name, [dim, ...], method, [section byte length, ...]], ...]}
@@ -16,10 +16,25 @@ Per tensor `method` and its sections:
   * "8bit": [n int8 codes, 4·ceil(n/4096) float32 steps]: per 4096-element block, step = absmax/127,
     code = round(x/step) in [-127, 127]; decoded = code·step.
   * "sparse": the flattened tensor is cut into C = ceil(n/chunk) chunks (the last one zero-padded; padding is never
-    selected); each chunk keeps its k = min(topk, chunk) largest-|x| entries (the last chunk min(k, its real
-    length)). Sections: [indices within the chunk at log2(chunk) bits each, value codes at `bits` bits each,
-    C bfloat16 scales]. Bits are packed LSB-first into bytes; unused bits of the last byte must be zero.
-    Entries are grouped by chunk (chunk c's k entries, then chunk c+1's, ...); within a chunk any order is accepted.
+    selected); each chunk keeps its k_c largest-|x| entries: k = min(topk, chunk) for every chunk but the last,
+    which keeps min(k, its real length). Entries are grouped by chunk (chunk 0's, then chunk 1's, ...) and, within
+    a chunk, in strictly ascending index order (the only order accepted). Sections:
+      1. upper: the Elias-Fano upper bit vector of every chunk, concatenated in chunk order into one bit stream
+         (no padding between chunks);
+      2. low: the low l_c bits of every kept index, in the same order, concatenated into one bit stream;
+      3. value codes at `bits` bits each, in the same order;
+      4. C bfloat16 scales.
+    Bit streams are packed LSB-first into bytes; unused bits of a section's last byte must be zero.
+    Elias-Fano of one chunk (universe u = chunk, k_c sorted distinct indices x_0 < ... < x_{k_c-1}):
+    l_c = floor(log2(u / k_c)) (integer: max(0, bit_length(u // k_c) - 1); 0 when k_c = u); the low part of x_i is
+    x_i mod 2^l_c (l_c bits), its high part h_i = x_i >> l_c is coded as bit h_i + i set in an upper vector of
+    k_c + (u >> l_c) bits, which therefore has exactly k_c set bits. Every chunk's size, k_c·l_c + k_c + (u >> l_c)
+    bits, is fixed by (chunk, k_c), so a blob's size still follows from the codec settings and shapes alone
+    (`encoded_size`, checked by the protocol). That is 2 + log2(u/k_c) bits per index when u/k_c is a power of two
+    and at most 0.09 bit less otherwise (chunk 4096: top-16 10 bits, top-64 8, top-128 7, top-256 6), instead of
+    log2(chunk) = 12 for a plain index; the sorted order it needs costs nothing (only the kept set matters).
+    Decoding rejects an upper vector without exactly k_c set bits, indices that are not strictly increasing within
+    a chunk (two set bits can name the same index) and any index >= the chunk's real length.
 
 Quantizer of kept values (measured on top-64-of-4096 values, relative error ||v - q(v)|| / ||v|| of kept values):
   * 2 bits: sign + 1 magnitude bit, levels {0.9382, 1.2433} × mean|kept| of the chunk (Lloyd-Max levels fitted on
@@ -36,8 +51,9 @@ Why not pickle/torch.save: blobs come from strangers. Decoding is strict and bou
 shapes fix every section's exact length before anything is allocated; any deviation raises CodecError.
 Little-endian hosts are assumed (raw float sections are read with torch.frombuffer).
 
-Shape-suffix legend: C = chunks of a tensor, N = chunk (elements per chunk), K = kept entries (all chunks),
-B = 8-bit blocks, W = bits per packed field, E = bits of a byte (8).
+Shape-suffix legend: C = chunks of a tensor, N = chunk (elements per chunk), K = kept entries (all chunks, or per
+chunk after C or G), G = chunks of one kind (the full ones, or the last one), L = bits of one chunk's Elias-Fano
+upper vector, B = 8-bit blocks, W = bits per packed field, E = bits of a byte (8).
 """
 from __future__ import annotations
 
@@ -54,7 +70,7 @@ logger = get_logger(__name__)
 
 METHODS = ("sparse", "fp32", "fp16", "8bit")
 MAGIC = b"SPSC"
-VERSION = 1
+VERSION = 2  # 1: indices packed at log2(chunk) bits each (refused); 2: Elias-Fano per chunk
 _PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
 MAX_CHUNK = 1 << 16
@@ -108,6 +124,31 @@ def _kept(numel: int, chunk: int, topk: int) -> tuple[int, int, int]:
     return c, k, (c - 1) * k + min(k, last)
 
 
+def _ef_low_width(chunk: int, k_c: int) -> int:
+    """Elias-Fano low-bit width l = floor(log2(chunk / k_c)) for k_c >= 1 indices below chunk (0 if k_c >= chunk)."""
+    return max(0, (chunk // k_c).bit_length() - 1)
+
+
+def _chunk_kinds(numel: int, chunk: int, topk: int) -> list[tuple[int, int, int]]:
+    """The at most 2 kinds of chunks of a sparse tensor, in chunk order: (chunks G, kept per chunk k_c, real length
+    of each). Chunks 0..C-2 are full; the last chunk keeps min(k, its real length)."""
+    c, k, _ = _kept(numel, chunk, topk)
+    if c == 0:
+        return []
+    last = numel - (c - 1) * chunk
+    return ([(c - 1, k, chunk)] if c > 1 else []) + [(1, min(k, last), last)]
+
+
+def _ef_bits(numel: int, chunk: int, topk: int) -> tuple[int, int]:
+    """Total bits of the Elias-Fano upper and low streams of a sparse tensor (fixed by chunk, topk and numel)."""
+    upper = low = 0
+    for g, k_c, _ in _chunk_kinds(numel, chunk, topk):
+        l = _ef_low_width(chunk, k_c)
+        upper += g * (k_c + (chunk >> l))
+        low += g * k_c * l
+    return upper, low
+
+
 def _section_sizes(numel: int, method: str, chunk: int, topk: int, bits: int) -> list[int]:
     """Exact byte length of each section of one tensor."""
     if method == "fp32":
@@ -117,36 +158,104 @@ def _section_sizes(numel: int, method: str, chunk: int, topk: int, bits: int) ->
     if method == "8bit":
         return [numel, 4 * -(-numel // BLOCK_8BIT)]
     c, _, kept = _kept(numel, chunk, topk)
-    return [-(-kept * (chunk.bit_length() - 1) // 8), -(-kept * bits // 8), 2 * c]
+    upper, low = _ef_bits(numel, chunk, topk)
+    return [-(-upper // 8), -(-low // 8), -(-kept * bits // 8), 2 * c]
 
 
 # ---- bit packing ----------------------------------------------------------------------------------------------
 
+def _to_bits(values_K: torch.Tensor, width: int) -> torch.Tensor:
+    """The K*width bits (uint8 0/1) of non-negative ints < 2**width (width <= 16), each value LSB-first."""
+    if width == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    shifts_W = torch.arange(width, dtype=torch.int32)
+    return ((values_K.to(torch.int32).unsqueeze(1) >> shifts_W) & 1).reshape(-1).to(torch.uint8)
+
+
+def _from_bits(bits: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """Inverse of _to_bits: `count` int64 values from exactly count*width bits."""
+    if width == 0 or count == 0:
+        return torch.zeros(count, dtype=torch.int64)
+    bits_KW = bits.reshape(count, width).to(torch.int64)
+    return (bits_KW << torch.arange(width, dtype=torch.int64)).sum(1)
+
+
+def _pack_stream(bits: torch.Tensor) -> bytes:
+    """Pack a bit stream (uint8 0/1), LSB-first, into ceil(len/8) bytes; the last byte's unused bits are zero."""
+    pad = -bits.numel() % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights_E = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+    bytes_ = (bits.reshape(-1, 8) * weights_E).sum(1, dtype=torch.int32).to(torch.uint8)
+    return bytes_.numpy().tobytes()
+
+
+def _unpack_stream(data: bytes | bytearray | memoryview, nbits: int) -> torch.Tensor:
+    """Inverse of _pack_stream: `nbits` bits (uint8 0/1); the byte length must be exact and unused bits zero."""
+    if len(data) != -(-nbits // 8):
+        raise CodecError(f"packed section has {len(data)} bytes, expected {-(-nbits // 8)}")
+    if nbits == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bits = ((raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)
+    if bits[nbits:].any():
+        raise CodecError("nonzero padding bits in a packed section")
+    return bits[:nbits]
+
+
 def pack_bits(values_K: torch.Tensor, width: int) -> bytes:
     """Pack non-negative ints < 2**width (width <= 16), LSB-first, into ceil(K*width/8) bytes."""
-    shifts_W = torch.arange(width, dtype=torch.int32)
-    bits_KW = (values_K.to(torch.int32).unsqueeze(1) >> shifts_W) & 1
-    flat = bits_KW.reshape(-1).to(torch.uint8)
-    pad = -flat.numel() % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights_E = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
-    bytes_ = (flat.reshape(-1, 8) * weights_E).sum(1, dtype=torch.int32).to(torch.uint8)
-    return bytes_.numpy().tobytes()
+    return _pack_stream(_to_bits(values_K, width))
 
 
 def unpack_bits(data: bytes | bytearray | memoryview, count: int, width: int) -> torch.Tensor:
     """Inverse of pack_bits: `count` int64 values; the byte length must be exact and unused bits zero."""
-    if len(data) != -(-count * width // 8):
-        raise CodecError(f"packed section has {len(data)} bytes, expected {-(-count * width // 8)}")
-    if count == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bits = ((raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)
-    if bits[count * width:].any():
-        raise CodecError("nonzero padding bits in a packed section")
-    bits_KW = bits[: count * width].reshape(count, width).to(torch.int64)
-    return (bits_KW << torch.arange(width, dtype=torch.int64)).sum(1)
+    return _from_bits(_unpack_stream(data, count * width), count, width)
+
+
+def _ef_encode(idx_CK: torch.Tensor, numel: int, chunk: int, topk: int) -> tuple[bytes, bytes]:
+    """Elias-Fano upper and low sections of a sparse tensor. idx_CK: every chunk's k kept indices within the
+    chunk, ascending, the last chunk's real ones first (its padding picks, if any, sort after them)."""
+    upper_parts, low_parts, start = [], [], 0
+    for g, k_c, _ in _chunk_kinds(numel, chunk, topk):
+        idx_GK = idx_CK[start:start + g, :k_c]
+        l = _ef_low_width(chunk, k_c)
+        upper_GL = torch.zeros(g, k_c + (chunk >> l), dtype=torch.uint8)
+        upper_GL.scatter_(1, (idx_GK >> l) + torch.arange(k_c), 1)
+        upper_parts.append(upper_GL.reshape(-1))
+        low_parts.append(_to_bits((idx_GK & ((1 << l) - 1)).reshape(-1), l))
+        start += g
+    return _pack_stream(torch.cat(upper_parts)), _pack_stream(torch.cat(low_parts))
+
+
+def _ef_decode(upper: memoryview, low: memoryview, numel: int, chunk: int, topk: int,
+               name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of _ef_encode, strict: (flat positions in the tensor, chunk of each), in blob order. Every size here
+    follows from numel/chunk/topk, which the caller checked against the receiver's own shapes."""
+    upper_bits, low_bits = _ef_bits(numel, chunk, topk)
+    up, lo = _unpack_stream(upper, upper_bits), _unpack_stream(low, low_bits)
+    pos_parts, chunk_parts, ub, lb, first = [], [], 0, 0, 0
+    for g, k_c, real in _chunk_kinds(numel, chunk, topk):
+        l = _ef_low_width(chunk, k_c)
+        width = k_c + (chunk >> l)
+        upper_GL = up[ub:ub + g * width].reshape(g, width)
+        ub += g * width
+        if (upper_GL.sum(1, dtype=torch.int64) != k_c).any():
+            raise CodecError(f"an Elias-Fano upper vector in {name} does not have exactly {k_c} set bits")
+        # exactly k_c set bits per row (checked), so nonzero() holds g*k_c entries, row-major, ascending per row
+        high_GK = upper_GL.nonzero()[:, 1].reshape(g, k_c) - torch.arange(k_c)
+        low_GK = _from_bits(lo[lb:lb + g * k_c * l], g * k_c, l).reshape(g, k_c)
+        lb += g * k_c * l
+        idx_GK = (high_GK << l) | low_GK
+        if k_c > 1 and (idx_GK.diff(dim=1) <= 0).any():
+            raise CodecError(f"duplicate index in {name} (indices not strictly increasing within a chunk)")
+        if (idx_GK[:, -1] >= real).any():  # the largest index of each chunk (rows are increasing)
+            raise CodecError(f"index in the padding region of {name} (>= its chunk's real length {real})")
+        chunk_GK = (torch.arange(g) + first).unsqueeze(1).expand(g, k_c)
+        pos_parts.append((idx_GK + chunk_GK * chunk).reshape(-1))
+        chunk_parts.append(chunk_GK.reshape(-1))
+        first += g
+    return torch.cat(pos_parts), torch.cat(chunk_parts)
 
 
 # ---- quantizers -----------------------------------------------------------------------------------------------
@@ -158,6 +267,11 @@ def _lut(bits: int) -> torch.Tensor:
         return torch.tensor([a, b, -a, -b], dtype=torch.float32)  # code = sign << 1 | magnitude bit
     levels = (1 << bits) - 1
     return torch.arange(levels + 1, dtype=torch.float32) * (2.0 / levels) - 1.0
+
+
+def _scales_ok(scale_C: torch.Tensor, bits: int) -> bool:
+    """Every scale times the largest |level| is finite in float32, so no decoded value can be inf."""
+    return bool(torch.isfinite(scale_C.float() * _lut(bits).abs().max()).all())
 
 
 def _dequantize(codes_K: torch.Tensor, scale_K: torch.Tensor, bits: int) -> torch.Tensor:
@@ -188,8 +302,8 @@ def _encode_sparse(x: torch.Tensor, chunk: int, topk: int, bits: int) -> tuple[l
     else:
         raw_scale_C = absv_CK.amax(1)
     scale_C = raw_scale_C.to(torch.bfloat16)
-    if not torch.isfinite(scale_C).all():
-        raise CodecError("a chunk scale overflows bfloat16")
+    if not _scales_ok(scale_C, bits):
+        raise CodecError("a chunk scale overflows bfloat16 or its largest level overflows float32")
     s_CK = scale_C.float().unsqueeze(1).expand(c, k)
     safe_CK = torch.where(s_CK > 0, s_CK, torch.ones_like(s_CK))
     if bits == 2:
@@ -199,11 +313,12 @@ def _encode_sparse(x: torch.Tensor, chunk: int, topk: int, bits: int) -> tuple[l
         levels = (1 << bits) - 1
         codes_CK = torch.round((val_CK / safe_CK + 1.0) * (levels / 2)).clamp(0, levels).long()
     flat = valid_CK.reshape(-1)
-    idx_K, codes_K, pos_K = idx_CK.reshape(-1)[flat], codes_CK.reshape(-1)[flat], pos_CK.reshape(-1)[flat]
+    codes_K, pos_K = codes_CK.reshape(-1)[flat], pos_CK.reshape(-1)[flat]
     chunk_K = torch.arange(c).unsqueeze(1).expand(c, k).reshape(-1)[flat]
-    assert idx_K.numel() == kept
+    assert pos_K.numel() == kept
     decoded = _sparse_dense(numel, pos_K, codes_K, scale_C, chunk_K, bits)
-    sections = [pack_bits(idx_K, chunk.bit_length() - 1), pack_bits(codes_K, bits), scale_C.view(torch.int16).numpy().tobytes()]
+    upper, low = _ef_encode(idx_CK, numel, chunk, topk)
+    sections = [upper, low, pack_bits(codes_K, bits), scale_C.view(torch.int16).numpy().tobytes()]
     return sections, decoded
 
 
@@ -212,6 +327,8 @@ def _encode_8bit(x: torch.Tensor) -> tuple[list[bytes], torch.Tensor]:
     blocks = -(-numel // BLOCK_8BIT)
     x_BN = torch.cat([x, x.new_zeros(blocks * BLOCK_8BIT - numel)]).reshape(blocks, BLOCK_8BIT)
     step_B = x_BN.abs().amax(1) / 127.0
+    if not torch.isfinite(step_B * 127.0).all():
+        raise CodecError("an 8-bit block's largest level overflows float32")
     safe_B = torch.where(step_B > 0, step_B, torch.ones_like(step_B))
     q_BN = torch.round(x_BN / safe_B.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
     decoded = (q_BN.float() * step_B.unsqueeze(1)).reshape(-1)[:numel]
@@ -265,8 +382,11 @@ def _parse_header(blob: bytes, expected: dict[str, tuple[int, ...]]) -> tuple[di
     if len(blob) < _PREFIX.size:
         raise CodecError(f"blob of {len(blob)} bytes is shorter than its {_PREFIX.size}-byte prefix")
     magic, version, hlen = _PREFIX.unpack_from(blob)
-    if magic != MAGIC or version != VERSION:
-        raise CodecError(f"bad magic/version {magic!r}/{version}")
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise CodecError(f"codec version {version} is not supported (this peer reads version {VERSION} only: "
+                         f"version 1 packed sparse indices at log2(chunk) bits, version 2 codes them with Elias-Fano)")
     if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > len(blob):
         raise CodecError(f"header length {hlen} exceeds the limit or the blob")
     raw = blob[_PREFIX.size:_PREFIX.size + hlen]
@@ -348,26 +468,20 @@ def _decode_tensor(name: str, method: str, numel: int, parts: list[memoryview], 
         return _floats(parts[0], torch.float16, f"values in {name}").float()
     if method == "8bit":
         step_B = _floats(parts[1], torch.float32, f"8-bit steps in {name}")
-        if (step_B < 0).any():
-            raise CodecError(f"negative 8-bit step in {name}")
+        if (step_B < 0).any() or not torch.isfinite(step_B * 127.0).all():
+            raise CodecError(f"negative 8-bit step, or one whose largest level overflows float32, in {name}")
         q = torch.frombuffer(bytearray(parts[0]), dtype=torch.int8) if numel else torch.zeros(0, dtype=torch.int8)
         if (q == -128).any():
             raise CodecError(f"8-bit code -128 in {name}")
         blocks = step_B.numel()
         q_BN = torch.cat([q, q.new_zeros(blocks * BLOCK_8BIT - numel)]).reshape(blocks, BLOCK_8BIT)
         return (q_BN.float() * step_B.unsqueeze(1)).reshape(-1)[:numel]
-    c, k, kept = _kept(numel, chunk, topk)
-    scale_C = _floats(parts[2], torch.bfloat16, f"scales in {name}")
-    if (scale_C < 0).any():
-        raise CodecError(f"negative scale in {name}")
-    idx_K = unpack_bits(parts[0], kept, chunk.bit_length() - 1)
-    codes_K = unpack_bits(parts[1], kept, bits)
-    chunk_K = torch.div(torch.arange(kept), k, rounding_mode="floor")
-    pos_K = chunk_K * chunk + idx_K
-    if kept and int(pos_K.max()) >= numel:
-        raise CodecError(f"index in the padding region of {name}")
-    if kept > 1 and (torch.sort(pos_K).values.diff() == 0).any():
-        raise CodecError(f"duplicate index in {name}")
+    _, _, kept = _kept(numel, chunk, topk)
+    scale_C = _floats(parts[3], torch.bfloat16, f"scales in {name}")
+    if (scale_C < 0).any() or not _scales_ok(scale_C, bits):
+        raise CodecError(f"negative scale, or one whose largest level overflows float32, in {name}")
+    pos_K, chunk_K = _ef_decode(parts[0], parts[1], numel, chunk, topk, name)
+    codes_K = unpack_bits(parts[2], kept, bits)
     return _sparse_dense(numel, pos_K, codes_K, scale_C, chunk_K, bits)
 
 

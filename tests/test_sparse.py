@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import torch
 
-from sync.sparse import (METHODS, CodecError, SparseSpec, blob_digest, decode, encode, encoded_size, pack_bits,
-                         unpack_bits)
+from sync.sparse import (METHODS, VERSION, CodecError, SparseSpec, blob_digest, decode, encode, encoded_size,
+                         pack_bits, unpack_bits)
 
 PREFIX = struct.Struct("<4sBI")
 
@@ -38,7 +38,7 @@ def split(blob: bytes) -> tuple[dict, bytes]:
 
 def join(header: dict, body: bytes) -> bytes:
     raw = msgpack.packb(header, use_bin_type=True)
-    return PREFIX.pack(b"SPSC", 1, len(raw)) + raw + body
+    return PREFIX.pack(b"SPSC", VERSION, len(raw)) + raw + body
 
 
 def section(blob: bytes, name: str, index: int) -> tuple[int, int]:
@@ -214,9 +214,9 @@ def test_rejects_lying_section_sizes(sparse_blob) -> None:
 
 def test_rejects_huge_header_and_garbage_header(sparse_blob) -> None:
     blob, shapes = sparse_blob
-    rejects(PREFIX.pack(b"SPSC", 1, 2**32 - 1) + blob[PREFIX.size:], shapes)
-    rejects(PREFIX.pack(b"SPSC", 1, 5) + b"\xc1\xc1\xc1\xc1\xc1", shapes)
-    rejects(PREFIX.pack(b"SPSC", 1, 5) + b"\xdd\xff\xff\xff\xff", shapes)  # array claiming 4G entries
+    rejects(PREFIX.pack(b"SPSC", VERSION, 2**32 - 1) + blob[PREFIX.size:], shapes)
+    rejects(PREFIX.pack(b"SPSC", VERSION, 5) + b"\xc1\xc1\xc1\xc1\xc1", shapes)
+    rejects(PREFIX.pack(b"SPSC", VERSION, 5) + b"\xdd\xff\xff\xff\xff", shapes)  # array claiming 4G entries
     rejects(join({"chunk": 4096}, b""), shapes)
     rejects(join([1, 2, 3], b""), shapes)
 
@@ -236,10 +236,10 @@ def test_rejects_max_bytes(sparse_blob) -> None:
     assert "max_bytes" in rejects(blob, shapes, max_bytes=len(blob) - 1)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 3.3e38])  # 3.3e38 * 1.2433 overflows fp32
 def test_rejects_bad_scales(sparse_blob, bad: float) -> None:
     blob, shapes = sparse_blob
-    offset, length = section(blob, "w", 2)
+    offset, length = section(blob, "w", 3)
     patched = bytearray(blob)
     patched[offset:offset + 2] = torch.tensor([bad], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
     rejects(bytes(patched), shapes)
@@ -267,34 +267,175 @@ def test_rejects_8bit_code_minus_128() -> None:
     rejects(bytes(patched), shapes_of(tensors))
 
 
-def _with_section(blob: bytes, name: str, index: int, values: torch.Tensor, width: int) -> bytes:
-    offset, length = section(blob, name, index)
-    packed = pack_bits(values, width)
-    assert len(packed) == length
-    return blob[:offset] + packed + blob[offset + length:]
+# ---- Elias-Fano indices ----------------------------------------------------------------------------------------
+
+def bits_to_bytes(bits: list[int]) -> bytes:
+    out = bytearray(-(-len(bits) // 8))
+    for i, b in enumerate(bits):
+        out[i // 8] |= b << (i % 8)
+    return bytes(out)
 
 
-def _with_indices(blob: bytes, name: str, indices: torch.Tensor) -> bytes:
-    return _with_section(blob, name, 0, indices, 12)
+def ef_reference(chunks: list[list[int]], chunk: int) -> tuple[bytes, bytes]:
+    """Pure-Python Elias-Fano (upper, low) sections of each chunk's index list, taken as given (no sorting, no
+    checks), so tests can also build hostile sections."""
+    upper, low = [], []
+    for idx in chunks:
+        k = len(idx)
+        l = max(0, (chunk // k).bit_length() - 1)
+        vec = [0] * (k + (chunk >> l))
+        for i, x in enumerate(idx):
+            vec[(x >> l) + i] = 1
+            low.extend((x >> b) & 1 for b in range(l))
+        upper.extend(vec)
+    return bits_to_bytes(upper), bits_to_bytes(low)
 
 
-def test_rejects_duplicate_and_padding_indices(sparse_blob) -> None:
+def kept_indices(x: torch.Tensor, chunk: int, topk: int) -> list[list[int]]:
+    """Each chunk's kept indices (largest |x|, ascending), from scratch."""
+    flat = x.reshape(-1).float()
+    out = []
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk].abs()
+        out.append(sorted(torch.argsort(part, descending=True)[:min(topk, chunk, part.numel())].tolist()))
+    return out
+
+
+def with_sections(blob: bytes, name: str, parts: dict[int, bytes]) -> bytes:
+    """The blob with sections of tensor `name` replaced by same-length bytes."""
+    for index, data in parts.items():
+        offset, length = section(blob, name, index)
+        assert len(data) == length, (index, len(data), length)
+        blob = blob[:offset] + data + blob[offset + length:]
+    return blob
+
+
+@pytest.mark.parametrize("chunk,topk,numel", [
+    (8, 1, 8 * 5 + 3), (8, 3, 8 * 5 + 3), (8, 4, 8 * 5 + 1), (8, 8, 8 * 5 + 3), (8, 16, 8 * 2 + 5), (8, 5, 8),
+    (4096, 1, 4096 * 2 + 7), (4096, 16, 4096 * 2 + 700), (4096, 64, 4096 * 3 + 33), (4096, 100, 4096 * 2 + 4095),
+    (4096, 256, 4096 * 2 + 300), (4096, 2048, 4096 + 3000), (4096, 4096, 4096 * 2 + 5), (1024, 1000, 1024 * 3),
+])
+def test_elias_fano_indices_roundtrip_exactly(chunk: int, topk: int, numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + topk))
+    spec = SparseSpec(chunk=chunk, topk=topk, bits=8, dense_below=1)
+    blob, dec = encode({"x": x}, spec)
+    assert len(blob) == encoded_size({"x": (numel,)}, spec)
+    out = decode(blob, {"x": (numel,)})["x"]
+    assert torch.equal(out, dec["x"])
+    want = kept_indices(x, chunk, topk)
+    got = [torch.nonzero(out[s:s + chunk]).reshape(-1).tolist() for s in range(0, numel, chunk)]
+    assert got == want  # 8-bit levels are never 0 and scales are > 0: nonzero == kept
+    # the sections are exactly the reference Elias-Fano coding of those index sets
+    upper, low = ef_reference(want, chunk)
+    assert [blob[o:o + n] for o, n in (section(blob, "x", 0), section(blob, "x", 1))] == [upper, low]
+
+
+@pytest.mark.parametrize("topk,bits_per_index", [(16, 10), (64, 8), (128, 7), (256, 6), (4096, 2)])
+def test_elias_fano_size_per_index(topk: int, bits_per_index: int) -> None:
+    x = torch.randn(4096 * 8)
+    blob, _ = encode({"x": x}, SparseSpec(topk=topk))
+    index_bytes = section(blob, "x", 0)[1] + section(blob, "x", 1)[1]
+    assert index_bytes * 8 == 8 * topk * bits_per_index
+
+
+def test_encoded_size_matches_many_shapes() -> None:
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(1,), (7,), (8,), (9,), (63, 65), (4095,), (4096,), (4097,), (3, 4096), (8191,), (2, 3, 1000)]
+    for chunk, topk, bits in [(8, 1, 2), (8, 3, 4), (64, 64, 8), (256, 5, 2), (4096, 64, 2), (4096, 100, 4),
+                              (4096, 256, 8), (1024, 2000, 2)]:
+        spec = SparseSpec(chunk=chunk, topk=topk, bits=bits, dense_below=1)
+        tensors = {f"t{i}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+        blob, dec = encode(tensors, spec)
+        assert len(blob) == encoded_size({n: tuple(t.shape) for n, t in tensors.items()}, spec), (chunk, topk)
+        out = decode(blob, {n: tuple(t.shape) for n, t in tensors.items()}, max_bytes=len(blob))
+        assert all(torch.equal(out[n], dec[n]) for n in tensors)
+
+
+def test_rejects_version_1(sparse_blob) -> None:
     blob, shapes = sparse_blob
-    offset, length = section(blob, "w", 0)
-    idx = unpack_bits(blob[offset:offset + length], 4 * 64, 12)
-    offset, length = section(blob, "w", 1)
-    codes = unpack_bits(blob[offset:offset + length], 4 * 64, 2)
-    # the same entries in another order within each chunk decode to the same tensor
-    shuffled = _with_section(_with_indices(blob, "w", idx.reshape(4, 64).flip(1).reshape(-1)), "w", 1,
-                             codes.reshape(4, 64).flip(1).reshape(-1), 2)
-    assert shuffled != blob
-    assert torch.equal(decode(shuffled, shapes)["w"], decode(blob, shapes)["w"])
-    dup = idx.clone()
-    dup[1] = dup[0]
-    assert "duplicate" in rejects(_with_indices(blob, "w", dup), shapes)
-    pad = idx.clone()
-    pad[-1] = 4095  # "w" has 12480 elements: chunk 3 holds only 192 real ones
-    assert "padding" in rejects(_with_indices(blob, "w", pad), shapes)
+    assert blob[4] == VERSION == 2
+    assert "version 1" in rejects(blob[:4] + bytes([1]) + blob[5:], shapes)
+
+
+def _w_indices(blob: bytes, shapes: dict) -> list[list[int]]:
+    w = decode(blob, shapes)["w"].reshape(-1)  # 2-bit levels are never 0: nonzero == kept
+    return [torch.nonzero(w[s:s + 4096]).reshape(-1).tolist() for s in range(0, w.numel(), 4096)]
+
+
+def test_rejects_upper_vector_with_a_bit_too_many_or_too_few(sparse_blob) -> None:
+    blob, shapes = sparse_blob
+    offset, length = section(blob, "w", 0)  # 4 chunks of 64 + 64 bits, 16 bytes each, no padding
+    assert length == 64
+    upper = torch.frombuffer(bytearray(blob[offset:offset + length]), dtype=torch.uint8)
+    bits = ((upper.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1).tolist()
+    assert [sum(bits[c * 128:(c + 1) * 128]) for c in range(4)] == [64] * 4
+    zero, one = bits.index(0), bits.index(1)
+    for flips in ([zero], [one], [zero, 128 + bits[128:].index(1)], [127]):  # one more, one fewer, both (total kept)
+        patched = list(bits)                                                  # and the last bit (h = u >> l)
+        for f in flips:
+            patched[f] ^= 1
+        assert "set bits" in rejects(with_sections(blob, "w", {0: bits_to_bytes(patched)}), shapes)
+    # every single-bit flip in an upper vector changes its count of set bits: all are refused
+    for f in range(0, len(bits), 7):
+        patched = list(bits)
+        patched[f] ^= 1
+        rejects(with_sections(blob, "w", {0: bits_to_bytes(patched)}), shapes)
+
+
+def test_rejects_duplicate_unsorted_and_padding_indices(sparse_blob) -> None:
+    blob, shapes = sparse_blob
+    idx = _w_indices(blob, shapes)
+    assert [len(c) for c in idx] == [64] * 4
+    assert with_sections(blob, "w", dict(enumerate(ef_reference(idx, 4096)))) == blob  # the reference agrees
+    # two set bits naming the same index: equal high parts (adjacent bits) and equal low bits
+    dup = [list(c) for c in idx]
+    dup[1][5] = dup[1][4]
+    assert "duplicate" in rejects(with_sections(blob, "w", dict(enumerate(ef_reference(dup, 4096)))), shapes)
+    # the same set in another order: refused (only ascending order within a chunk is valid)
+    swapped = [list(c) for c in idx]
+    swapped[2] = sorted(swapped[2], reverse=True)
+    rejects(with_sections(blob, "w", dict(enumerate(ef_reference(swapped, 4096)))), shapes)
+    # "w" has 12480 elements: chunk 3 holds only 192 real ones
+    for bad in (192, 4095):
+        pad = [list(c) for c in idx]
+        pad[3][-1] = bad
+        assert "padding" in rejects(with_sections(blob, "w", dict(enumerate(ef_reference(pad, 4096)))), shapes)
+    # an index past the chunk (h = u >> l) in a full chunk
+    past = [list(c) for c in idx]
+    past[0][-1] = 4096
+    rejects(with_sections(blob, "w", dict(enumerate(ef_reference(past, 4096)))), shapes)
+
+
+def test_rejects_short_last_chunk_index_and_padding_bits() -> None:
+    tensors = make_tensors()
+    blob, _ = encode(tensors, SparseSpec())
+    shapes = shapes_of(tensors)
+    emb = decode(blob, shapes)["emb"]  # 8199 elements: the last chunk keeps all of its 7, at l = 9
+    idx = [torch.nonzero(emb[s:s + 4096]).reshape(-1).tolist() for s in range(0, 8199, 4096)]
+    assert [len(c) for c in idx] == [64, 64, 7] and idx[2] == list(range(7))
+    upper, low = ef_reference(idx, 4096)
+    assert with_sections(blob, "emb", {0: upper, 1: low}) == blob
+    bad = [idx[0], idx[1], [0, 1, 2, 3, 4, 5, 7]]
+    assert "padding" in rejects(with_sections(blob, "emb", dict(enumerate(ef_reference(bad, 4096)))), shapes)
+    # 2·128 + 15 upper bits and 2·64·6 + 7·9 low bits: each section's last byte has one unused bit
+    for index in (0, 1):
+        offset, length = section(blob, "emb", index)
+        patched = bytearray(blob)
+        patched[offset + length - 1] |= 0x80
+        assert "padding bits" in rejects(bytes(patched), shapes)
+
+
+def _decodes_or_refuses(blob: bytes, shapes: dict) -> bool:
+    """True if decoded (to finite tensors of the right shapes), False if refused with CodecError."""
+    try:
+        out = decode(blob, shapes)
+    except CodecError:
+        return False
+    assert list(out) == list(shapes)
+    for name, shape in shapes.items():
+        assert out[name].shape == shape and out[name].dtype == torch.float32
+        assert torch.isfinite(out[name]).all()
+    return True
 
 
 def test_never_other_exception_on_random_corruption(sparse_blob) -> None:
@@ -304,7 +445,18 @@ def test_never_other_exception_on_random_corruption(sparse_blob) -> None:
         patched = bytearray(blob)
         for pos in torch.randint(0, len(blob), (3,), generator=gen).tolist():
             patched[pos] = int(torch.randint(0, 256, (1,), generator=gen))
-        try:
-            decode(bytes(patched), shapes)
-        except CodecError:
-            pass
+        _decodes_or_refuses(bytes(patched), shapes)
+
+
+def test_random_corruption_of_sparse_sections(sparse_blob) -> None:
+    blob, shapes = sparse_blob
+    gen = torch.Generator().manual_seed(11)
+    start, _ = section(blob, "w", 0)
+    end = sum(section(blob, "emb", 3))  # every sparse section of "w" and "emb" ("norm" is fp16 in between)
+    decoded = 0
+    for _ in range(300):
+        patched = bytearray(blob)
+        for pos in torch.randint(start, end, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist():
+            patched[pos] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+        decoded += _decodes_or_refuses(bytes(patched), shapes)
+    assert 0 < decoded < 300  # some flips (value codes, low bits) still decode, many are refused
