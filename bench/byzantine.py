@@ -1,8 +1,8 @@
 """Byzantine benchmark (issue 9): 3 honest `peer.run` processes + 1 attacker, one arm per attack.
 
-    python -m bench.byzantine                          # every attack + baselines (2 CPU cores: ~10 min)
-    python -m bench.byzantine --quick --attacks nan,scale --baselines reference
-    python -m bench.byzantine --protocol contributions   # contribution-protocol attacks (c_*) + baselines
+    python -m bench.byzantine                            # every contribution attack (c_*) + baselines (~6 min)
+    python -m bench.byzantine --quick --attacks c_scale --baselines reference
+    python -m bench.byzantine --protocol allreduce       # the all-reduce protocol's attacks + baselines (~10 min)
 
 Each arm starts a plain `hivemind-dht` bootstrap on 127.0.0.1, three honest `python -m peer.run` peers (experts
 0-1, 2-3, 4-5 of 8: experts 6-7 are owned by nobody, and the attackers that need to claim an expert take those,
@@ -19,10 +19,11 @@ build writes them; else the per-round `rejected N` of their logs), rounds averag
 seconds, the largest round counter an honest peer reached (a forged round shows here) and what the attacker did.
 Writes results.json and table.md into --out; arm logs and run dirs go to --work-dir.
 
-`--protocol contributions` runs every arm (honest peers and attacker alike) with `sync.protocol: contributions`
-and `sync.compression: sparse` (CONTRIBUTION_OVERRIDE); its default attacks are then the contribution attacks of
-bench/adversary.py (c_*) and its default baselines reference and honest4 (the contribution protocol's aggregate
-is always the robust one, so honest4_plain measures nothing there). The c_* attacks need it.
+`--protocol contributions` (the default) runs every arm (honest peers and attacker alike) with `sync.protocol:
+contributions` and `sync.compression: sparse` (CONTRIBUTION_OVERRIDE); its default attacks are the contribution
+attacks of bench/adversary.py (c_*) and its default baselines reference and honest4 (the contribution protocol's
+aggregate is always the robust one, so honest4_plain measures nothing there). `--protocol allreduce` runs the
+all-reduce protocol (ALLREDUCE_OVERRIDE) with the attacks of its era.
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ BASELINES = ("reference", "honest4", "honest4_plain")
 PROTOCOLS = ("allreduce", "contributions")
 # Every peer of every arm, honest and attacker, under --protocol contributions.
 CONTRIBUTION_OVERRIDE: dict[str, Any] = {"sync": {"protocol": "contributions", "compression": "sparse"}}
+# ... and under --protocol allreduce (no longer the default protocol: named, with its fp32 default codec).
+ALLREDUCE_OVERRIDE: dict[str, Any] = {"sync": {"protocol": "allreduce", "compression": "none"}}
 DEFAULT_ATTACKS = {"allreduce": ALLREDUCE_ERA_ATTACKS, "contributions": CONTRIB_ATTACKS}
 DEFAULT_BASELINES = {"allreduce": BASELINES, "contributions": ("reference", "honest4")}
 _ROUND_RE = re.compile(r"round (\d+) applied at step \d+: shared group (\d+)(.*)")
@@ -102,9 +105,9 @@ def build_arms(attacks: list[str], baselines: list[str], protocol: str = "allred
         if attack not in ATTACKS:
             raise ValueError(f"unknown attack {attack!r}; choose from {', '.join(ATTACKS)}")
         arms.append(Arm(attack, 3, attack=attack))
-    if protocol == "contributions":
-        for arm in arms:
-            arm.overrides = _deep_merge(CONTRIBUTION_OVERRIDE, arm.overrides)
+    base = CONTRIBUTION_OVERRIDE if protocol == "contributions" else ALLREDUCE_OVERRIDE
+    for arm in arms:
+        arm.overrides = _deep_merge(base, arm.overrides)
     return arms
 
 
@@ -306,9 +309,8 @@ def build_id() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.byzantine", description=__doc__.split("\n\n")[0])
-    p.add_argument("--protocol", choices=PROTOCOLS, default="allreduce",
-                   help="round protocol of every peer; contributions adds sync.protocol: contributions and "
-                        "sync.compression: sparse to each config")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="contributions",
+                   help="round protocol of every peer (its sync.protocol and codec are set in each config)")
     p.add_argument("--attacks", help=f"comma list of attacks ({', '.join(ATTACKS)}); default: every attack of "
                                      "the protocol")
     p.add_argument("--baselines", help="comma list of no-attacker arms: reference (needed for the ratios), honest4, "

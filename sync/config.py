@@ -27,7 +27,7 @@ class SparseConfig:
     # bits each, Elias-Fano coded).
     chunk: int = 4096
     # Largest-magnitude entries kept per chunk.
-    topk: int = 64
+    topk: int = 256
     # Bits per kept value: 2, 4 or 8 (one fp16 scale per chunk).
     bits: int = 2
     # Error feedback: what compression left out is kept and sent later; before each round the kept residual is
@@ -54,9 +54,9 @@ class SyncConfig:
     # How a round exchanges tensors (docs/DESIGN.md): "contributions" = every peer serves one signed, compressed
     # contribution (its change plus error feedback) and aggregates everyone's itself (sync/contributions.py);
     # "allreduce" = hivemind's all-reduce groups (sync/shared.py) and expert copies (sync/fetch.py).
-    protocol: str = "allreduce"
+    protocol: str = "contributions"
     # none | fp16 | 8bit (both protocols) | sparse (contributions only: chunked top-k, see `sparse`).
-    compression: str = "none"
+    compression: str = "sparse"
     sparse: SparseConfig = field(default_factory=SparseConfig)
     outer: str = "avg"
     # DiLoCo outer optimizer (outer: nesterov): SGD with Nesterov momentum on the pseudo-gradient.

@@ -158,8 +158,10 @@ class Contributions(Repair):
     # ---- 2. + 3. gather and aggregate (round thread) --------------------------------------------------------
 
     def _contribution_round(self, report: "RoundReport", own: dict[int, Snapshot], weight: int, step: int,
-                            tokens: int, rel_change: float) -> tuple[dict[str, "PeerRecord"], dict[int, Snapshot]]:
-        """The network part of a contribution round. Returns (records read, {expert: new synchronized value})."""
+                            tokens: int, rel_change: float, others_at_start: dict[str, "PeerRecord"] | None = None,
+                            ) -> tuple[dict[str, "PeerRecord"], dict[int, Snapshot]]:
+        """The network part of a contribution round. Returns (records read, {expert: new synchronized value});
+        the records are {} when the read was incomplete (SparseSync._checked_read: no ownership change)."""
         started = time.perf_counter()
         size, digest, expert_bytes = self._contribute(own, weight)
         self._expert_share = expert_bytes / max(size, 1)  # splits the served bytes by kind (contribution_bytes)
@@ -206,7 +208,7 @@ class Contributions(Repair):
                      for p, d in decoded.items())
         means = self._aggregate_experts(decoded, weights, announced, own, rel[len(rel) // 2])
         report.timing["aggregate"] = time.perf_counter() - aggregating
-        others = self._others(records)
+        records, others = self._checked_read(report, records, others_at_start)
         owned_elsewhere = {e for r in others.values() for e in r.experts} - set(own)
         report.experts_synced = sorted(set(means))
         report.experts_missing = sorted(owned_elsewhere - set(means))

@@ -289,7 +289,7 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         average = bool(others) and not behind
         if self.contributing:  # the record goes out with the contribution's announcement (its network part)
             future = _run_in_daemon_thread(self._contribution_round, report, own, tokens_since_last, step, tokens,
-                                           rel_change)
+                                           rel_change, others)
             self._pending = _Pending(report, started, own, future, behind, step, tokens_since_last)
             return previous
         record = dict(experts=sorted(own), round=self.round_id, step=step, tokens=tokens)
@@ -347,25 +347,7 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         # round_due's "transfers took longer than it trained since" must not count it (on a peer slow on CPU it
         # took 0.3-0.7 s, and the peer then joined the fast peers' rounds late, missing their groups).
         report.reading_seconds = time.perf_counter() - copies_started
-        others = self._others(records)
-        if ((self.model.owned_experts and self.swarm.peer_id not in records) or len(others) + 1 < report.group_size
-                or (not others and report.peers_seen > 1)):
-            # An incomplete read: not even this peer's own record came back (stored at join, refreshed by the
-            # heartbeat), or fewer peers than this round's all-reduce group, or none while the read at the round's
-            # start, seconds ago, showed some (a home peer behind a NAT read only its own record and adopted every
-            # expert). Nothing is decided from it: no "alone", no orphans adopted; copies are fetched from the
-            # owners seen in either read.
-            logger.warning(f"the run's peer records read this round are incomplete ({len(others)} other peer(s), "
-                           f"all-reduce group {report.group_size}): no ownership change from them")
-            others = {**(others_at_start or {}), **others}
-            records = {}
-        else:
-            self._forget_strikes_of_gone(records)
-        if not others and records:  # alone, or cut off from the run? Asked here, off the training thread (a ping).
-            # Just re-joined after a cut: the others' records may not have reached this peer yet (ttl to be sure).
-            reachable = self.swarm.reachable()
-            rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl
-            report.cut_off = rejoined or not reachable
+        records, others = self._checked_read(report, records, others_at_start)
         if not others or not average or self._leaving:
             return records, {}
         replicas = sum(set(r.experts) == set(own) for r in others.values())
@@ -387,6 +369,30 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         report.experts_synced = sorted(set(means) | (set(own) - want))
         report.experts_missing = sorted(owned_elsewhere - set(means))
         return records, means
+
+    def _checked_read(self, report: RoundReport, records: dict[str, PeerRecord],
+                      others_at_start: dict[str, PeerRecord] | None) -> tuple[dict[str, PeerRecord], dict[str, PeerRecord]]:
+        """The records read during a round (network thread), judged before anything is decided from them: an
+        incomplete read gives ({} , the peers seen in either read), so that no ownership changes; a read showing
+        no other peer sets `report.cut_off` when this peer cannot reach the run (asked with a ping)."""
+        others = self._others(records)
+        if ((self.model.owned_experts and self.swarm.peer_id not in records) or len(others) + 1 < report.group_size
+                or (not others and report.peers_seen > 1)):
+            # An incomplete read: not even this peer's own record came back (stored at join, refreshed by the
+            # heartbeat), or fewer peers than this round's all-reduce group, or none while the read at the round's
+            # start, seconds ago, showed some (a home peer behind a NAT read only its own record and adopted every
+            # expert). Nothing is decided from it: no "alone", no orphans adopted; copies are fetched from the
+            # owners seen in either read.
+            logger.warning(f"the run's peer records read this round are incomplete ({len(others)} other peer(s), "
+                           f"group {report.group_size}): no ownership change from them")
+            return {}, {**(others_at_start or {}), **others}
+        self._forget_strikes_of_gone(records)
+        if not others and records:  # alone, or cut off from the run? Asked here, off the training thread (a ping).
+            # Just re-joined after a cut: the others' records may not have reached this peer yet (ttl to be sure).
+            reachable = self.swarm.reachable()
+            rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl
+            report.cut_off = rejoined or not reachable
+        return records, others
 
     def finish_round(self, block: bool = False) -> RoundReport | None:
         """Apply a finished round (training thread). Non-blocking returns None while it still runs."""

@@ -70,6 +70,11 @@ def sync_cfg(**kw) -> SyncConfig:
     return SyncConfig(**base)
 
 
+def allreduce_cfg(**kw) -> SyncConfig:
+    """The all-reduce protocol (sync/shared.py), for the tests of its own mechanisms while it remains."""
+    return sync_cfg(**{"protocol": "allreduce", "compression": "none", **kw})
+
+
 @torch.no_grad()
 def local_training(peer: Peer, seed: int) -> None:
     """Change what this peer trains (shared params, owned experts) as a few local steps would."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peer.config import ConfigError, load_config, parse_override
-from tests.conftest import MODEL, sync_cfg
+from tests.conftest import MODEL, allreduce_cfg
 
 
 @torch.no_grad()
@@ -23,7 +23,7 @@ def _perturb(model, seed: int) -> None:
 
 
 def test_shared_only_round_averages_the_shared_tensors_and_moves_no_expert(swarm_factory):
-    cfg = sync_cfg(every=10, shared_every=5)
+    cfg = allreduce_cfg(every=10, shared_every=5)
     peers = [swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)]
     for i, peer in enumerate(peers):
         _perturb(peer.model, seed=i)

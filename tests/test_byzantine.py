@@ -1,5 +1,8 @@
 """Hostile volunteers (issue 9): the defended behaviour, against attackers from bench/adversary.py.
 
+The in-process tests here attack the all-reduce protocol (`sync.protocol: allreduce`, no longer the default);
+the contribution protocol's attacks are in tests/test_contributions.py and the smoke run below.
+
 (a) In one pytest process: two honest `SparseSync` peers on real hivemind DHTs (as in tests/test_swarm.py) and
 one attacker started through `bench.adversary.start_attacker`; each test asserts what issue 9 asks of the honest
 peers: they keep averaging with each other, stay finite, the liar's round counter and forged records do not move
@@ -22,7 +25,7 @@ from bench.adversary import start_attacker
 from peer.config import RunConfig
 from sync.config import SyncConfig
 from sync.validate import RejectCounter
-from tests.conftest import MODEL, REPO, Peer, sync_cfg as _sync_cfg
+from tests.conftest import MODEL, REPO, Peer, allreduce_cfg as _sync_cfg
 
 RUN_ID = "byz-test"
 TOKENS = 128  # what each honest peer claims per round: a full round at the run's batch settings (the weight cap)
@@ -236,14 +239,15 @@ def test_byzantine_bench_smoke(tmp_path):
     """One attack arm at the quick scale (no baseline arm, to stay under a minute): the bench runs real
     `peer.run` processes and an attacker process, leaves nothing running and writes its table."""
     out, work = tmp_path / "results", tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "bench.byzantine", "--quick", "--attacks", "scale", "--baselines", "",
+    proc = subprocess.run([sys.executable, "-m", "bench.byzantine", "--quick", "--protocol", "contributions",
+                           "--attacks", "c_scale", "--baselines", "",
                            "--out", str(out), "--work-dir", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     [arm] = results["arms"]
-    assert arm["arm"] == "scale" and arm["honest"] == 3 and len(arm["rcs"]) == 3, arm
+    assert arm["arm"] == "c_scale" and arm["honest"] == 3 and len(arm["rcs"]) == 3, arm
     assert arm["attacker_rc"] == 0, arm  # the attacker left cleanly on SIGTERM
-    assert arm["attacker"]["allreduce_joined"] >= 1, arm["attacker"]
+    assert arm["attacker"]["contrib_rounds"] >= 1, arm["attacker"]
     assert all(p["step"] > 0 for p in arm["peers"]), arm["peers"]
-    assert "| scale" in (out / "table.md").read_text() and "| scale" in proc.stdout
+    assert "| c_scale" in (out / "table.md").read_text() and "| c_scale" in proc.stdout

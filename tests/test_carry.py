@@ -10,7 +10,7 @@ from hivemind.utils.streaming import split_for_streaming
 
 from sync.carry import ChangeSender, encode_change
 from sync.codec import deserialize_parts, serialize_tensor
-from tests.conftest import Peer, local_training, shared_params, sync_cfg
+from tests.conftest import Peer, local_training, shared_params, allreduce_cfg
 
 
 def _wait(condition, timeout: float, what: str) -> None:
@@ -21,7 +21,7 @@ def _wait(condition, timeout: float, what: str) -> None:
 
 
 def _swarm_with_follower(swarm_factory) -> tuple[Peer, Peer, Peer]:
-    cfg = sync_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
+    cfg = allreduce_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2], cfg)
     home = swarm_factory([3], cfg, bandwidth=5.0)
     assert home.sync.follower
@@ -254,7 +254,7 @@ def test_followers_with_nobody_to_follow_all_reduce_among_themselves(swarm_facto
     """Every live peer follows (a swarm of home lines all below sync.follow_below_mbit): nobody would serve a
     result or carry a change, and their shared tensors would never be averaged. They all-reduce among themselves
     instead, each waiting for all of them, until a peer that averages turns up."""
-    cfg = sync_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
+    cfg = allreduce_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
     homes = [swarm_factory([e], cfg, bandwidth=5.0) for e in range(2)]
     assert all(h.sync.follower for h in homes)
     for h in homes:

@@ -1,7 +1,7 @@
 """A closed run end to end (issue 9.3, docs/DESIGN.md "Closed runs"): two ticketed peers and a stranger with only
 the initial peer's address, all real hivemind DHTs, averagers and expert exchanges in one process. The stranger
-gets nothing at any door — its record is not read, its expert and state requests are refused, it never joins
-the all-reduce — and a peer revoked while the run is live is dropped."""
+gets nothing at any door — its record is not read, its expert, state and contribution requests are refused, no
+admitted peer aggregates anything of it — and a peer revoked while the run is live is dropped."""
 from __future__ import annotations
 
 import time
@@ -15,6 +15,7 @@ from model.model import SpesMoE
 from sync.admission import (Admission, Gate, generate_organizer_key, load_organizer_public_key,
                             peer_id_from_identity, publish_revocation, sign_revocation, sign_ticket)
 from sync.config import SyncConfig
+from sync.contrib_exchange import ContributionError
 from sync.rounds import SparseSync
 from sync.swarm import Swarm, start_dht
 
@@ -70,17 +71,23 @@ def test_stranger_gets_nothing_at_any_door(closed_swarm):
     a_id = PeerID.from_base58(a.swarm.peer_id)
     # The expert exchange: S asks A for an expert A publishes.
     assert s.exchange.fetch(a_id, 0, a.round_id, timeout=5.0) is None
-    # The state download door of A's shared averager.
-    assert s.exchange.download_state(a_id, a.shared.averager.prefix, timeout=5.0) is None
+    # The state download door: the synchronized shared tensors A serves to joiners.
+    assert s.exchange.fetch_shared_async(a_id, a.round_id, 0, 5.0, bf16=False).result(timeout=10.0) is None
     assert a.rejects.counts()["unauthorized"] >= 2
-    # The all-reduce: all three try a round; A and B average with each other only.
+    # A round: A and B aggregate each other's contributions; S reads no admitted record, so it has none to fetch.
     for sync in (a, b, s):
         sync.start_round(step=1, tokens=100, tokens_since_last=100)
     reports = [sync.finish_round(block=True) for sync in (a, b, s)]
     assert reports[0].group_size == 2 and reports[1].group_size == 2, reports
     assert reports[2].group_size <= 1
-    # ...and the admitted peers still fetch each other's experts.
+    # The contribution door: S asks A for A's blob of this round, announced in A's (admitted) record.
+    announced = a.swarm.peers()[a.swarm.peer_id].contrib
+    assert announced and announced[0] == a.round_id, announced
+    with pytest.raises(ContributionError, match="refused"):
+        s.contrib_exchange.fetch(a.swarm.peer_id, a.swarm.peer_id, announced[0], announced[1], announced[2], 5.0)
+    # ...and the admitted peers still fetch each other's experts and blobs.
     assert b.exchange.fetch(a_id, 0, a.round_id, timeout=5.0) is not None
+    assert b.contrib_exchange.fetch(a.swarm.peer_id, a.swarm.peer_id, *announced[:3], 5.0)
 
 
 def test_revoked_peer_is_dropped_while_the_run_is_live(closed_swarm):
@@ -101,8 +108,8 @@ def test_revoked_peer_is_dropped_while_the_run_is_live(closed_swarm):
 @pytest.mark.slow
 def test_closed_run_as_processes(tmp_path, processes):
     """`python -m dht_bootstrap --organizer-key` + two ticketed `peer.run` peers + a stranger `peer.run` given only
-    the initial peer's address: the admitted peers average with each other in every round, the stranger with
-    nobody, and everyone exits 0."""
+    the initial peer's address: the admitted peers aggregate each other's contributions in every round, the
+    stranger nobody's, and everyone exits 0."""
     import json
     import re
     import subprocess
@@ -142,8 +149,7 @@ def test_closed_run_as_processes(tmp_path, processes):
         while not all("training on" in (tmp_path / f"{n}.log").read_text() for n in "ab"):
             assert time.time() < deadline and all(p.poll() is None for p in procs), "a and b did not start training"
             time.sleep(0.2)
-        # The stranger's all-reduce finds no group and fails at its round timeout before it asks for experts
-        # (the copies follow the all-reduce): a short timeout gets it to the expert door while a and b still run.
+        # A short round timeout gets the stranger to every door while a and b still run.
         procs.append(processes.start(peer_cmd(*common, "--run-dir", str(tmp_path / "stranger"),
                                               "--set", "sync.round_timeout=5"), log=tmp_path / "stranger.log"))
         for p in procs:
@@ -154,18 +160,19 @@ def test_closed_run_as_processes(tmp_path, processes):
         refused = {}
         for name, err in zip("ab", outputs[:2]):
             groups = re.findall(r"shared group (\d+)", err)
-            # Never with the stranger (its averager is refused, so no group of 3 forms); a round alone ("1") is
-            # fine: when one peer finishes first, the other's last round finds nobody to average with.
+            # Never with the stranger (no admitted peer reads its record); a round alone ("1") is fine: when one
+            # peer finishes first, the other's last round finds nobody to average with.
             assert "2" in groups and set(groups) <= {"1", "2"}, err[-3000:]
             last = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
             refused[name] = last["rejected"]["unauthorized"]
-        # The stranger knocked and was refused. Which admitted peer refused it depends on which group it tried to
-        # join and which experts it picked (it asks only the owners of its own experts), so count both together.
+        # The stranger knocked and was refused. Which admitted peer refused it depends on what it asked for
+        # (contributions, experts, the state), so count both together.
         assert sum(refused.values()) > 0, refused
-        # The stranger may lead a "group" that admitted peers leave before any tensor moves (their averagers
-        # refuse an all-reduce with an unadmitted member), but it never receives an expert.
-        synced = re.findall(r"experts synced (\d+)", outputs[2])
-        assert synced and set(synced) == {"0"}, outputs[2][-3000:]
+        # The stranger reads the admitted peers' records, but their contribution doors refuse it: it never
+        # aggregates anything but its own contribution.
+        groups = re.findall(r"shared group (\d+)", outputs[2])
+        assert groups and set(groups) == {"1"}, outputs[2][-3000:]
+        assert "(refused)" in outputs[2], outputs[2][-3000:]
     finally:
         boot.terminate()
         try:

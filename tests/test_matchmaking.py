@@ -18,7 +18,7 @@ import time
 import torch
 
 from sync.matchmaking import PatientMatchmaking
-from tests.conftest import local_training, round_all, shared_params, sync_cfg
+from tests.conftest import local_training, round_all, shared_params, allreduce_cfg
 
 MATCHMAKING = 2.0  # the tests' matchmaking_time: request_timeout is 1 s, the follower's grace 2 s
 STALL = 1.6  # longer than request_timeout, shorter than request_timeout + grace
@@ -42,7 +42,7 @@ def _stall_later(pid: int, after: float, seconds: float) -> threading.Thread:
 def test_a_group_whose_leaders_go_is_late_still_averages_together(swarm_factory):
     # No target size: the leader assembles its group when its matchmaking time is up (as when the records show a
     # peer that does not come), not the moment the follower joins.
-    cfg = sync_cfg(matchmaking_time=MATCHMAKING, round_timeout=10.0, target_group_size=-1)
+    cfg = allreduce_cfg(matchmaking_time=MATCHMAKING, round_timeout=10.0, target_group_size=-1)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     # Each peer stalled once: which one leads depends on their expirations, and a stalled follower missed the go
     # as well (its wait for it timed out while it was stopped).
@@ -67,7 +67,7 @@ def test_a_leader_whose_group_split_anyway_reports_what_it_averaged(swarm_factor
     """A go later than the grace: the follower has left, the leader's all-reduce hears nothing from it. Each
     peer's report must say what its values show: a group of two with the mean, or alone with its own values; and
     the leader does not wait for the parts of a member that answered it is not in the group."""
-    cfg = sync_cfg(matchmaking_time=MATCHMAKING, round_timeout=10.0, target_group_size=-1)
+    cfg = allreduce_cfg(matchmaking_time=MATCHMAKING, round_timeout=10.0, target_group_size=-1)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     alone = []
     for r in range(2):

@@ -66,7 +66,7 @@ def test_vectorized_merge_equals_the_reference():
 
 
 def test_merge_through_a_real_round(swarm_factory):
-    cfg = _sync_cfg(merge=MergeConfig(interval=2, alpha=0.5, decay_steps=1000, topk=2))
+    cfg = _sync_cfg(compression="none", merge=MergeConfig(interval=2, alpha=0.5, decay_steps=1000, topk=2))
     a, b, c, d = (swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg),
                   swarm_factory([2], cfg))  # d is a replica of b
     for i, peer in enumerate((a, b, c, d)):
@@ -77,7 +77,7 @@ def test_merge_through_a_real_round(swarm_factory):
     reports = [peer.sync.finish_round(block=True) for peer in peers]
     assert all(r.merge_alpha == pytest.approx(0.5 * (1 - 2 / 1000)) for r in reports), reports
     alpha = reports[0].merge_alpha
-    # Pre-merge snapshot = what the round synchronized: a's 0 and 1, c's 3, the b/d replicas' all-reduced 2.
+    # Pre-merge snapshot = what the round synchronized: a's 0 and 1, c's 3, b and d's averaged 2.
     # Non-owners hold the synchronized, not yet merged, values (the merged ones reach them next round).
     synced = {0: _experts(b)[0], 1: _experts(b)[1], 2: _experts(a)[2], 3: _experts(a)[3]}
     expected = reference_merge(synced, alpha, topk=2, n_layers=MODEL.n_layers)

@@ -185,8 +185,9 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
     assert all(r.group == 3 for r in home_rounds[:-1]), [(r.round_id, r.group) for r in home_rounds]
     assert "only 1 of" not in home.log_path.read_text()
     for proc in publics:
-        # ... and each public peer fetched the 3 experts it does not own, the home peer's 2 and 3 among them.
-        full = [r for r in rounds(proc.log_path.read_text()) if r.group == 3 and r.synced == 3 and not r.missing]
+        # ... and each public peer synchronized all 4 experts, the home peer's 2 and 3 (from its contribution)
+        # among them.
+        full = [r for r in rounds(proc.log_path.read_text()) if r.group == 3 and r.synced == 4 and not r.missing]
         assert len(full) >= len(home_rounds) - 2, [(r.round_id, r.group, r.synced)
                                                    for r in rounds(proc.log_path.read_text())]
     # What spes_relay_reservations serves, as the home peer's metrics.jsonl recorded it while it trained.
@@ -237,7 +238,8 @@ def test_slow_home_uplink_follows_and_its_changes_reach_the_average(netlab: NetL
         netlab.add_public(name)
     home_node = netlab.add_home("home", up_mbit=5, down_mbit=20)
     boot, initial = start_bootstrap(netlab, boot_node, 4)
-    flags = ("--set", "sync.wait_for_peers=3")
+    # Following is the all-reduce protocol's (a contribution is small enough for any uplink).
+    flags = ("--set", "sync.wait_for_peers=3", "--set", "sync.protocol=allreduce", "--set", "sync.compression=none")
     # They train until stopped: how long following, two probes 30 s apart (the sinks' cooldown) and the rounds
     # after take depends on this machine's speed.
     publics = [spes_peer(netlab, n, initial, e, *flags, steps=100_000) for n, e in (("pa", "0"), ("pb", "1"))]

@@ -15,6 +15,7 @@ from sync.records import peers_key
 from sync.robust import AggregationPolicy, centered_clip, coordinate_median, robust_mean
 from sync.swarm import PeerRecord, Swarm, median_round, start_dht
 from sync.validate import RejectCounter
+from tests.conftest import allreduce_cfg
 
 RUN = "robust-test"
 
@@ -254,7 +255,7 @@ def test_a_result_within_float_rounding_of_an_unchanged_tensor_is_accepted(swarm
     """A peer that did not change its shared tensors since the last round (it moved only its experts) gets back
     results within float32 rounding of its snapshot, not always bit-equal: accepted, as in tests/test_carry.py
     where a [64, 32] tensor came back 4e-8 away and was refused. A real move of such a tensor is still refused."""
-    shared = swarm_factory([0, 1, 2, 3]).sync.shared
+    shared = swarm_factory([0, 1, 2, 3], allreduce_cfg()).sync.shared
     shared.take_snapshot()  # nothing trained since the last synchronized value: this peer's own change is 0
     g = torch.Generator().manual_seed(0)
 

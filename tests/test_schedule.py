@@ -8,11 +8,11 @@ import time
 import torch
 
 from tests.conftest import Peer, local_training as _local_training, round_all as _round_all
-from tests.conftest import shared_params as _shared, sync_cfg as _sync_cfg
+from tests.conftest import allreduce_cfg, shared_params as _shared, sync_cfg as _sync_cfg
 
 
 def test_slower_peer_joins_the_swarms_round_early_weighted_by_its_tokens(swarm_factory):
-    cfg = _sync_cfg(every=10, target_group_size=3)
+    cfg = allreduce_cfg(every=10, target_group_size=3)
     a, b, slow = swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)
     _round_all([a, b, slow])
     assert not slow.sync.round_due(3)  # nobody is ahead yet: a slower peer keeps training
@@ -40,7 +40,7 @@ def test_slower_peer_joins_the_swarms_round_early_weighted_by_its_tokens(swarm_f
 def test_faster_peer_trains_past_a_due_round_the_others_have_not_started(swarm_factory):
     """A peer whose previous round still waits for a peer that has not started it keeps training past its next
     due round (up to every/2 steps) instead of blocking on it; once that round is done, the next one is due."""
-    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0)
+    cfg = allreduce_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0)
     fast, slow = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     _round_all([fast, slow])
     fast.sync.start_round(step=11, tokens=1100, tokens_since_last=1000)  # round 2; slow is still in round 1
@@ -78,7 +78,7 @@ def test_a_peer_due_first_trains_until_the_later_one_is_ready_then_both_start_to
     """sync.start_together: the peer at its due step keeps training while the other expects to be ready later
     (within every/2 extra steps), starts at the step boundary nearest that time, and both form the group at once."""
     from hivemind.utils import get_dht_time
-    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0)
+    cfg = allreduce_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0)
     early, late = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     _round_all([early, late])
     # Step time 0.6 s: up to 5 extra steps = 3 s of holding. The other peer is due 2.4 s later, which leaves 2 s
@@ -135,7 +135,7 @@ def test_group_formed_ahead_of_the_round_averages_the_snapshot_taken_at_its_star
     triggered hivemind step); the group forms while both still train, and the all-reduce released at the round's
     start averages the snapshots taken then, with the weights given then."""
     from hivemind.averaging.control import AveragingStage
-    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
+    cfg = allreduce_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     _round_all([a, b])
     for peer in (a, b):
@@ -161,7 +161,7 @@ def test_group_formed_ahead_of_the_round_averages_the_snapshot_taken_at_its_star
 
 
 def test_a_group_formed_ahead_for_a_round_that_never_comes_is_given_up(swarm_factory):
-    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
+    cfg = allreduce_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     _round_all([a, b])
     _steps(a, 4, seconds=0.1)
@@ -214,7 +214,7 @@ def test_averager_shuts_down_cleanly_while_its_group_waits_for_a_member(swarm_fa
             failed.value = 1
             raise
     monkeypatch.setattr(_CountingAverager, "_shutdown", recording_shutdown)
-    cfg = _sync_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
+    cfg = allreduce_cfg(every=10, matchmaking_time=5.0, round_timeout=30.0, group_ahead=2.0)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
     _round_all([a, b])
     for peer in (a, b):

@@ -1,7 +1,9 @@
 """SPES rounds between real hivemind peers on 127.0.0.1, several peers in one pytest process.
 
-Each peer is a DHT node + SparseSync (its averager and expert exchange) around its own SpesMoE. Local training is
-stood in for by seeded perturbations of what each peer trains, so the expected post-round values are exact."""
+Each peer is a DHT node + SparseSync around its own SpesMoE. Local training is stood in for by seeded perturbations
+of what each peer trains, so the expected post-round values are exact. Tests of the all-reduce protocol's own
+mechanisms (groups, expert copies, followers) name it (`allreduce_cfg`); the rest run the default protocol, whose
+exact aggregation is tested in tests/test_contributions.py."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import MODEL, Peer, local_training as _local_training, round_all as _round_all
-from tests.conftest import shared_params as _shared, sync_cfg as _sync_cfg
+from tests.conftest import allreduce_cfg, shared_params as _shared, sync_cfg as _sync_cfg
 
 
 def _experts(peer: Peer) -> dict[int, dict[str, torch.Tensor]]:
@@ -26,7 +28,8 @@ def _assert_experts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 
 
 def test_round_averages_shared_and_spreads_owned_experts(swarm_factory):
-    peers = [swarm_factory([0, 1]), swarm_factory([2]), swarm_factory([3])]
+    cfg = allreduce_cfg()
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
     for i, peer in enumerate(peers):
         _local_training(peer, seed=i)
     shared_before = [_shared(p) for p in peers]
@@ -49,7 +52,7 @@ def test_copies_asked_during_the_allreduce_arrive_whole(swarm_factory):
     """sync.copies_during_allreduce: the all-reduce is given the ask for copies, to make once its group formed
     (on loopback a tiny all-reduce may be over before it is polled: then they are asked after it, as usual);
     every copy arrives, once, and is applied as the owner trained it."""
-    cfg = _sync_cfg(copies_during_allreduce=True)
+    cfg = allreduce_cfg(copies_during_allreduce=True)
     peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
     early_asks: list[bool] = []
     all_reduce = peers[1].sync.shared.all_reduce
@@ -74,7 +77,7 @@ def test_a_slow_uplink_in_a_group_holds_its_copies_while_its_all_reduce_runs(swa
     """A peer whose uplink is below sync.slow_uplink_mbit and still all-reduces (following turned off here; a
     one-target reading does the same) serves the copies asked during the all-reduce only after its own part went
     out; a fast peer holds nothing. Every copy still arrives."""
-    cfg = _sync_cfg(copies_during_allreduce=True, follow_below_mbit=0.0)
+    cfg = allreduce_cfg(copies_during_allreduce=True, follow_below_mbit=0.0)
     peers = [swarm_factory([0, 1], cfg, bandwidth=5.0), swarm_factory([2], cfg), swarm_factory([3], cfg)]
     held: list[list[bool]] = [[], [], []]
     for i, peer in enumerate(peers):
@@ -97,7 +100,7 @@ def test_copies_checked_during_the_allreduce_are_used_and_asked_once(swarm_facto
     it, when every link would sit idle for the checks: bench.wan), are applied, and no owner is asked again after
     the all-reduce because its copy is no longer in flight. The all-reduce's wait is played out here (the group
     formed, copies arrived, then the all-reduce itself), since on loopback it may be over before it is polled."""
-    cfg = _sync_cfg(copies_during_allreduce=True)
+    cfg = allreduce_cfg(copies_during_allreduce=True)
     peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
     sync = peers[1].sync
     all_reduce, fetch_async = sync.shared.all_reduce, sync.exchange.fetch_async
@@ -134,7 +137,8 @@ def test_copies_are_asked_right_after_the_allreduce_and_once(swarm_factory):
     """The copies of experts owned elsewhere are asked for as soon as the all-reduce returned, from the owners
     the round's start read showed, before the records read that follows it (a peer that asks late gets the
     owners' uplinks last); the ask after that read does not ask any owner twice."""
-    peers = [swarm_factory([0, 1]), swarm_factory([2]), swarm_factory([3])]
+    cfg = allreduce_cfg()
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
     sync = peers[1].sync
     events: list[tuple[str, object]] = []
     reduced = threading.Event()
@@ -176,7 +180,7 @@ def test_slow_owner_copy_arrives_late_and_is_used_next_round(swarm_factory, monk
     """A slow owner's expert copy does not hold the round up: the fetcher applies what arrived by its deadline,
     keeps the slow transfer running (never asking twice) and applies the copy in a later round; while that
     owner's last copy was slow, later rounds do not wait for its copies at all."""
-    fast, slow = swarm_factory([0, 1, 2]), swarm_factory([3])
+    fast, slow = swarm_factory([0, 1, 2], allreduce_cfg()), swarm_factory([3], allreduce_cfg())
     served: list[str] = []
     original = slow.sync.exchange._serve
 
@@ -227,7 +231,7 @@ def test_slow_uplink_follows_and_nobody_waits_for_it(swarm_factory):
     """A peer below sync.follow_below_mbit never joins an all-reduce group: the others average without waiting
     for it, it takes the swarm's shared tensors by download (keeping what it trained since its snapshot), and
     its experts still reach them."""
-    cfg = _sync_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
+    cfg = allreduce_cfg(matchmaking_time=4.0, follow_below_mbit=10.0)
     a, b = swarm_factory([0, 1], cfg), swarm_factory([2], cfg)
     home = swarm_factory([3], cfg, bandwidth=5.0)
     assert home.sync.follower and all(r.follows == (p == home.swarm.peer_id) for p, r in a.swarm.peers().items())
@@ -251,7 +255,7 @@ def test_slow_uplink_follows_and_nobody_waits_for_it(swarm_factory):
 
 
 def test_diloco_mode_every_peer_owns_every_expert(swarm_factory):
-    peers = [swarm_factory([0, 1, 2, 3]) for _ in range(3)]
+    peers = [swarm_factory([0, 1, 2, 3], allreduce_cfg()) for _ in range(3)]
     for i, peer in enumerate(peers):
         _local_training(peer, seed=10 + i)
     experts_before = [_experts(p) for p in peers]
@@ -268,7 +272,7 @@ def test_diloco_mode_every_peer_owns_every_expert(swarm_factory):
 
 
 def test_hostile_expert_is_refused_counted_and_model_unchanged(swarm_factory):
-    honest, hostile = swarm_factory([0, 1, 2]), swarm_factory([3])
+    honest, hostile = swarm_factory([0, 1, 2], allreduce_cfg()), swarm_factory([3], allreduce_cfg())
     before = _experts(honest)[3]
     evil = {k: torch.full_like(v, float("nan")) for k, v in hostile.model.expert_tensors(3).items()}
     # The hostile peer serves NaNs for every round it claims (publish after its own round publish).
@@ -452,7 +456,7 @@ def test_finished_peer_leaves_without_making_the_others_adopt_its_experts(swarm_
 def test_partial_record_read_is_not_a_swarm_without_peers(swarm_factory, monkeypatch):
     """A DHT read that returns only this peer's own record (a home peer behind a NAT once did) must not make it
     adopt the experts of peers it merely could not see; the reachable initial peers would call it alone."""
-    a, b = swarm_factory([0, 1]), swarm_factory([2, 3])
+    a, b = swarm_factory([0, 1], allreduce_cfg()), swarm_factory([2, 3], allreduce_cfg())
     _round_all([a, b])
     key, real_get = b.swarm.key, b.swarm.dht.get
 
@@ -475,11 +479,11 @@ def test_partial_record_read_is_not_a_swarm_without_peers(swarm_factory, monkeyp
 
 
 def test_late_joiner_downloads_the_swarm_state_and_joins_the_next_round(swarm_factory):
-    a, b = swarm_factory([0, 1]), swarm_factory([2, 3])
+    a, b = swarm_factory([0, 1], allreduce_cfg()), swarm_factory([2, 3], allreduce_cfg())
     for i, peer in enumerate((a, b)):
         _local_training(peer, seed=20 + i)
     _round_all([a, b])
-    late = swarm_factory([1], join=False)
+    late = swarm_factory([1], allreduce_cfg(), join=False)
     assert not all(torch.equal(x, y) for x, y in zip(_shared(late).values(), _shared(a).values()))
     late.sync.join(step=0, tokens=0)
     for name, value in _shared(late).items():
@@ -614,7 +618,7 @@ def test_without_a_swarm_auto_trains_every_expert(tmp_path):
 
 
 def test_nesterov_outer_step_on_the_averaged_pseudo_gradient(swarm_factory):
-    cfg = _sync_cfg(outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    cfg = allreduce_cfg(outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
     peers = [swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)]
     anchor = _shared(peers[0])  # the same init on both peers
     for i, peer in enumerate(peers):

@@ -11,13 +11,13 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from sync.uplink import COOLDOWN, FAST_UPLINK_MBIT, MAX_SINK_BYTES, UplinkSink, measure_upload
-from tests.conftest import round_all, sync_cfg
+from tests.conftest import round_all, allreduce_cfg
 
 
 def test_probe_between_real_peers_gives_a_rate_and_the_sink_limits_each_sender(swarm_factory):
-    a = swarm_factory([0], sync_cfg())
-    b = swarm_factory([1], sync_cfg())
-    c = swarm_factory([2], sync_cfg())  # sees a and b at join: probes them in the background
+    a = swarm_factory([0], allreduce_cfg())
+    b = swarm_factory([1], allreduce_cfg())
+    c = swarm_factory([2], allreduce_cfg())  # sees a and b at join: probes them in the background
     deadline = time.monotonic() + 20
     while c.sync.measured_upload is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -87,7 +87,7 @@ def test_a_slow_measured_uplink_reduces_a_small_part_and_sends_its_parts_fp16(sw
 
     from tests.conftest import local_training, round_all, shared_params
 
-    cfg = sync_cfg(slow_uplink_mbit=20.0, follow_below_mbit=0.0)  # 5 Mbit/s would follow by default (below)
+    cfg = allreduce_cfg(slow_uplink_mbit=20.0, follow_below_mbit=0.0)  # 5 Mbit/s would follow by default (below)
     peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
     slow = peers[2]
     for peer, rate in zip(peers, (95.0, 110.0, 5.0)):  # as the probe measured them (tests/test_netns.py)
@@ -150,7 +150,7 @@ def test_parts_keep_their_layout_when_a_slow_uplink_switches_codec():
 def _joined_with_readings(swarm_factory, monkeypatch, readings: list[list[float]]) -> list:
     """Peers whose probes read `readings[i]` in turn (the last one from then on), joined; returns once the last
     peer's first reading is in."""
-    cfg = sync_cfg(matchmaking_time=4.0)
+    cfg = allreduce_cfg(matchmaking_time=4.0)
     peers = [swarm_factory([e], cfg, join=False) for e in range(len(readings))]
     for peer, rates in zip(peers, readings):
         monkeypatch.setattr(peer.sync.exchange, "measure_upload",
@@ -252,7 +252,7 @@ def test_a_failed_probe_waits_out_the_sinks_cooldown_before_the_next_attempt(swa
     import sync.uplink
 
     monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.6)
-    peers = [swarm_factory([e], sync_cfg(), join=False) for e in range(2)]
+    peers = [swarm_factory([e], allreduce_cfg(), join=False) for e in range(2)]
     readings = [None, 50.0]
     monkeypatch.setattr(peers[1].sync.exchange, "measure_upload", lambda targets: readings.pop(0))
     for peer in peers:
@@ -278,7 +278,7 @@ def test_rounds_wait_for_the_first_reading_while_its_probe_runs(swarm_factory, m
 
     import sync.uplink
 
-    peers = [swarm_factory([e], sync_cfg(), join=False) for e in range(2)]
+    peers = [swarm_factory([e], allreduce_cfg(), join=False) for e in range(2)]
     release = threading.Event()
 
     def slow_probe(targets):
@@ -314,7 +314,7 @@ def test_a_measured_follower_measures_again_and_joins_the_allreduce_once_its_upl
     from tests.conftest import local_training, round_all, shared_params
 
     monkeypatch.setattr(sync.uplink, "CONFIRM_AFTER", 0.0)  # (the sinks' cooldown is 30 s: stubbed out here)
-    cfg = sync_cfg(matchmaking_time=4.0, follower_reprobe_s=0.3)
+    cfg = allreduce_cfg(matchmaking_time=4.0, follower_reprobe_s=0.3)
     peers = [swarm_factory([e], cfg, join=False) for e in range(3)]
     rates = [95.0, 110.0, 5.0]
     for i, peer in enumerate(peers):
@@ -374,7 +374,7 @@ def test_a_slow_uplink_sends_its_expert_copies_once_a_round(swarm_factory):
 
     from tests.conftest import MODEL, local_training, round_all
 
-    cfg = sync_cfg(slow_uplink_mbit=20.0, follow_below_mbit=0.0)  # it all-reduces too (it would follow by default)
+    cfg = allreduce_cfg(slow_uplink_mbit=20.0, follow_below_mbit=0.0)  # it all-reduces too (it would follow by default)
     bf16 = replace(MODEL, frozen_expert_dtype="bfloat16")  # copies asked for in bf16, as by default in peer.run
     peers = [swarm_factory([e], cfg, model_cfg=bf16) for e in range(3)]
     peers.append(swarm_factory([3], cfg, bandwidth=5.0, model_cfg=bf16))
