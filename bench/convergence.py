@@ -92,6 +92,9 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
                                    {"sync": {"every": 0}}),
         "diloco": lambda: Arm("diloco", f"DiLoCo ({peers} peers, all experts, avg)", peers, ["all"] * peers, merge_off),
         "spes": lambda: Arm("spes", "SPES (merge warm-up)", peers, spes, merge_on),
+        # The all-reduce protocol, uncompressed (the default until issue 31; "spes" in results before then).
+        "spes_allreduce": lambda: Arm("spes_allreduce", "SPES, all-reduce, fp32", peers, spes,
+                                      _deep_merge(merge_on, {"sync": {"protocol": "allreduce", "compression": "none"}})),
         "spes_nomerge": lambda: Arm("spes_nomerge", "SPES, no merge", peers, spes, merge_off),
         "spes_nesterov": lambda: Arm("spes_nesterov", "SPES + Nesterov outer", peers, spes,
                                      _deep_merge(merge_on, {"sync": {"outer": "nesterov"}})),
@@ -107,20 +110,16 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
         # Rounds as contributions (sync/contributions.py): each peer serves one blob and aggregates everyone's.
         "spes_contrib": lambda: Arm("spes_contrib", "SPES, contributions, uncompressed", peers, spes,
                                     _deep_merge(merge_on, {"sync": {"protocol": "contributions", "compression": "none"}})),
-        "spes_sparse": lambda: Arm("spes_sparse", "SPES, contributions, sparse top-k", peers, spes,
-                                   _deep_merge(merge_on, {"sync": {"protocol": "contributions", "compression": "sparse"}})),
-        "spes_sparse_keep": lambda: Arm("spes_sparse_keep", "SPES, contributions, sparse, residual kept live",
-                                        peers, spes, _deep_merge(merge_on, {"sync": {
-                                            "protocol": "contributions", "compression": "sparse",
-                                            "sparse": {"keep_residual": True}}})),
-        "spes_sparse256": lambda: Arm("spes_sparse256", "SPES, contributions, sparse top-256", peers, spes,
-                                      _deep_merge(merge_on, {"sync": {"protocol": "contributions",
-                                                                      "compression": "sparse",
-                                                                      "sparse": {"topk": 256}}})),
+        "spes_sparse": lambda: Arm("spes_sparse", "SPES, contributions, top-64, error feedback", peers, spes,
+                                   _sparse_arm(merge_on, 64, keep=False)),
+        "spes_sparse_keep": lambda: Arm("spes_sparse_keep", "SPES, contributions, top-64, residual kept", peers,
+                                        spes, _sparse_arm(merge_on, 64, keep=True)),
+        "spes_sparse256": lambda: Arm("spes_sparse256", "SPES, contributions, top-256, error feedback", peers, spes,
+                                      _sparse_arm(merge_on, 256, keep=False)),
         "spes_sparse_keep256": lambda: Arm("spes_sparse_keep256", "SPES, contributions, top-256, residual kept",
-                                           peers, spes, _deep_merge(merge_on, {"sync": {
-                                               "protocol": "contributions", "compression": "sparse",
-                                               "sparse": {"keep_residual": True, "topk": 256}}})),
+                                           peers, spes, _sparse_arm(merge_on, 256, keep=True)),
+        "spes_sparse_keep128": lambda: Arm("spes_sparse_keep128", "SPES, contributions, top-128, residual kept",
+                                           peers, spes, _sparse_arm(merge_on, 128, keep=True)),
         "spes_big": lambda: Arm("spes_big", f"SPES, no merge, {2 * E} experts", peers, _split(2 * E, peers, 1), big),
         # Resolved in main() by measuring memory (bench/fit.py): DiLoCo on the largest MoE that fits spes_big's peer.
         "diloco_eqmem": lambda: Arm("diloco_eqmem", "DiLoCo at SPES-big's memory", peers, ["all"] * peers, merge_off),
@@ -135,7 +134,8 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
             n, merged, biased = int(shared.group(1)), bool(shared.group(2)), bool(shared.group(3))
             if n <= 0 or n >= every or every % n:
                 raise ValueError(f"arm {name}: shared-only rounds every {n} steps must divide H = {every}")
-            overrides = _deep_merge(merge_on if merged else merge_off, {"sync": {"shared_every": n}})
+            overrides = _deep_merge(merge_on if merged else merge_off, {"sync": {
+                "shared_every": n, "protocol": "allreduce", "compression": "none"}})
             if biased:
                 overrides = _deep_merge(overrides, {"train": {"own_expert_bias": 1.0}})
             arms.append(Arm(name, f"SPES, {'merge warm-up' if merged else 'no merge'}, shared-only rounds every {n}"
@@ -167,6 +167,12 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _sparse_arm(base: dict[str, Any], topk: int, keep: bool) -> dict[str, Any]:
+    """Contributions with the sparse codec at top-`topk` of 4096, the unsent residual kept live or not."""
+    return _deep_merge(base, {"sync": {"protocol": "contributions", "compression": "sparse",
+                                       "sparse": {"topk": topk, "keep_residual": keep}}})
+
+
 def arm_config(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
     """The YAML config of one arm's peers. Equal tokens: the centralized batch is the sum of the swarm's."""
     batch = scale["batch"] * (peers if arm.peers == 1 else 1)
@@ -180,7 +186,7 @@ def arm_config(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
         "data": {"dataset": "builtin", "tokenizer": "builtin"},
         # The all-reduce starts as soon as all peers joined (target_group_size); the long matchmaking window
         # only matters when a peer is late (a loaded machine), and then keeps it in the round.
-        "sync": {"every": scale["every"], "compression": "none", "outer": "avg", "overlap": False,
+        "sync": {"every": scale["every"], "outer": "avg", "overlap": False,
                  "matchmaking_time": 20.0, "round_timeout": 90.0, "target_group_size": peers,
                  "wait_for_peers": peers},  # nobody trains (and syncs alone) before all peers are there
     }

@@ -44,8 +44,9 @@ class SyncConfig:
     """When and what a peer synchronizes. `every: 0` turns synchronization off."""
 
     every: int = 100
-    # Shared-only rounds (sync/between.py): all-reduce the shared tensors alone every this many local steps
-    # between full rounds; 0 (default) = off. Must be below `every`; all peers of a run should use the same.
+    # Shared-only rounds (sync/between.py; sync.protocol: allreduce only): all-reduce the shared tensors alone every
+    # this many local steps between full rounds; 0 (default) = off. Must be below `every`; all peers of a run
+    # should use the same.
     shared_every: int = 0
     # "auto" (least-covered experts), "all", or a list like "0-3,8".
     experts: str = "auto"
@@ -159,6 +160,8 @@ class SyncConfig:
             raise ValueError(f"sync.protocol must be contributions|allreduce, got {self.protocol!r}")
         if self.compression not in ("none", "fp16", "8bit", "sparse"):
             raise ValueError(f"sync.compression must be none|fp16|8bit|sparse, got {self.compression!r}")
+        if self.shared_every and self.protocol != "allreduce":
+            raise ValueError("sync.shared_every (shared-only all-reduce rounds) needs sync.protocol: allreduce")
         if self.compression == "sparse" and self.protocol != "contributions":
             raise ValueError("sync.compression: sparse needs sync.protocol: contributions")
         sp = self.sparse
