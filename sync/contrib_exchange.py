@@ -90,6 +90,7 @@ class ContributionExchange:
         self.max_blob_bytes, self.max_concurrent_serves = max_blob_bytes, max_concurrent_serves
         self._lock = threading.Lock()
         self._store: dict[tuple[str, int, str], bytes] = {}  # (origin, round, digest) -> blob
+        self._served_to: dict[tuple[str, int], set[str]] = {}  # (origin, round) -> requesters sent the whole blob
         self._sent = self._received = 0
         self._serving = 0  # streams in flight; touched on the loop thread only
         self._closed = False
@@ -132,6 +133,7 @@ class ContributionExchange:
             if len(rounds) > self.keep_rounds:
                 cutoff = rounds[-self.keep_rounds]
                 self._store = {k: v for k, v in self._store.items() if k[1] >= cutoff}
+                self._served_to = {k: v for k, v in self._served_to.items() if k[1] >= cutoff}
 
     async def _serve(self, uid: str, requester: PeerID) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The response stream for one request; never raises."""
@@ -157,9 +159,16 @@ class ContributionExchange:
                 part = blob[offset:offset + PART_BYTES]
                 yield runtime_pb2.ExpertResponse(metadata=part)
                 self._count(sent=len(part))
+            with self._lock:
+                self._served_to.setdefault((match[1], int(match[2])), set()).add(requester.to_base58())
         finally:
             watchdog.cancel()
             self._serving -= 1
+
+    def served_to(self, origin: str, round_id: int) -> set[str]:
+        """Peers this exchange sent origin's whole blob of round_id to (a fetcher may have got it elsewhere)."""
+        with self._lock:
+            return set(self._served_to.get((str(origin), int(round_id)), ()))
 
     # ---- fetching ------------------------------------------------------------------------------------------
 

@@ -432,6 +432,24 @@ class Contributions(Repair):
         return ({"shared": sent - expert, "expert": expert},
                 {k: int(v) for k, v in self._received.items()})
 
+    def _linger_for_last_contribution(self) -> None:
+        """A peer that finished its run keeps serving its last contribution (and its record) until every other
+        live peer still at that round or before got it, at most matchmaking_time + 10 s (within round_timeout):
+        peers finishing the same round a moment later otherwise read a tombstone, leave it out and end the run
+        with other synchronized tensors than the rest (bench.convergence's smoke run, under load)."""
+        if self.contrib_exchange is None or self._own_blob is None:
+            return
+        last = self._own_blob[0]
+        deadline = time.monotonic() + min(self.cfg.round_timeout, self.cfg.matchmaking_time + 10.0)
+        while time.monotonic() < deadline:
+            served = self.contrib_exchange.served_to(self.swarm.peer_id, last)
+            waiting = [p for p, r in self._others().items() if p not in served and r.round <= last
+                       and not (r.synced and int(r.synced[0]) >= last) and not self._skipped(p)]
+            if not waiting:
+                return
+            time.sleep(0.2)
+        logger.info(f"stopped serving round {last}'s contribution: {len(waiting)} peer(s) did not fetch it in time")
+
     def _shutdown_contributions(self) -> None:
         if self.contrib_exchange is not None:
             self.contrib_exchange.shutdown()

@@ -530,6 +530,8 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         says so and the others do not adopt its experts: Swarm.finish), stop the averager, the exchange and the
         DHT."""
         had_others = bool(self.progress.others())
+        if finished and self.contributing:
+            self._linger_for_last_contribution()
         closers = [self._stop_scheduling, self.progress.stop, self.shared.shutdown] + ([self._expert_avg.shutdown] if self._expert_avg else [])
         # A clean leave (not a finished run): tombstone first, then its experts' moments to their adopters, while
         # the exchange still serves (sync/leave.py), within the stop budget counted from leave_soon().

@@ -94,6 +94,7 @@ def test_fetch_intact_and_counted(exchanges):
     assert time.monotonic() - started < 10
     assert a.bytes_sent() == len(blob) and b.bytes_received() == len(blob)
     assert b.bytes_sent() == 0 and a.bytes_received() == 0
+    assert a.served_to(a.peer_id, 7) == {b.peer_id} and a.served_to(a.peer_id, 6) == set()  # (a finished peer's linger)
     # Uppercase digests are the same digest; an empty blob is a blob too.
     assert b.fetch(a.peer_id, a.peer_id, 7, len(blob), digest.upper(), timeout=20) == blob
     a.publish(8, b"", hashlib.sha256(b"").hexdigest())
