@@ -249,3 +249,24 @@ def test_peer_processes_contribute_and_agree(tmp_path, processes):
     assert len(synced) >= 2 and set.intersection(*synced), synced
     bootstrap.terminate()
     bootstrap.wait(timeout=30)
+
+
+def test_diloco_mode_every_peer_owns_every_expert_and_all_hold_one_mean(swarm_factory):
+    """Every peer owns every expert (DiLoCo): each expert is the aggregate of all owners' changes, the same bits on
+    every peer, and with uncompressed contributions of one scale it is close to their mean."""
+    cfg = contrib_cfg(compression="none")
+    peers = [swarm_factory([0, 1, 2, 3], cfg) for _ in range(3)]
+    start = {e: expert_values(peers[0], e) for e in range(MODEL.num_experts)}
+    trained = []
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=300 + i)
+        trained.append({e: expert_values(peer, e) for e in range(MODEL.num_experts)})
+    reports = round_all(peers)
+    assert all(r.group_size == 3 and not r.experts_missing for r in reports), reports
+    assert_identical(peers)
+    for e in range(MODEL.num_experts):
+        synced = [p.sync._expert_synced[e] for p in peers]
+        for k in synced[0]:
+            assert all(torch.equal(synced[0][k], s[k]) for s in synced[1:]), (e, k)
+            mean_change = sum(t[e][k] - start[e][k] for t in trained) / 3
+            assert float((synced[0][k] - start[e][k] - mean_change).norm()) <= 0.05 * float(mean_change.norm())
