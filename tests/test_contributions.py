@@ -270,3 +270,32 @@ def test_diloco_mode_every_peer_owns_every_expert_and_all_hold_one_mean(swarm_fa
             assert all(torch.equal(synced[0][k], s[k]) for s in synced[1:]), (e, k)
             mean_change = sum(t[e][k] - start[e][k] for t in trained) / 3
             assert float((synced[0][k] - start[e][k] - mean_change).norm()) <= 0.05 * float(mean_change.norm())
+
+
+def test_a_partial_record_read_changes_no_ownership(swarm_factory, monkeypatch):
+    """A round whose record reads return only this peer's own record (a home peer behind a NAT once saw that)
+    while its round's start saw another peer: nothing is decided from it — no adoption of the experts it merely
+    could not see; the next round with readable records is a normal one."""
+    import threading
+
+    cfg = contrib_cfg()
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    round_all([a, b])
+    key, real_get = b.swarm.key, b.swarm.dht.get
+
+    def own_record_only(k, *args, **kw):  # the reads of the round's network thread only
+        found = real_get(k, *args, **kw)
+        if k != key or found is None or threading.current_thread().name != "spes-round":
+            return found
+        return type(found)({p: v for p, v in found.value.items() if p == b.swarm.peer_id}, found.expiration_time)
+
+    monkeypatch.setattr(b.swarm.dht, "get", own_record_only)
+    for step in (2, 3):
+        a.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
+        b.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
+        reports = [p.sync.finish_round(block=True) for p in (a, b)]
+        assert reports[1].adopted == [] and sorted(b.model.owned_experts) == [2, 3], reports
+    monkeypatch.undo()
+    reports = round_all([a, b])
+    assert not any(r.adopted for r in reports), reports
+    assert sorted(a.model.owned_experts) == [0, 1] and sorted(b.model.owned_experts) == [2, 3]
