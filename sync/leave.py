@@ -6,7 +6,8 @@ once. The peers that stay read the records every second (sync.progress); the one
 the expert's next owner (Swarm.orphans_to_adopt, the same rule its round will apply) fetches the leaver's
 moments at once, checks them like a join handoff (names, shapes, finite) and keeps them. When its round adopts
 the expert, they go to `handed_over`, which the training loop loads (peer/node.py checks them against what AdamW
-can produce). Moments nobody adopted within `KEEP_ROUNDS` rounds are dropped. Without them an adopter starts
+can produce); moments that arrive just after the adoption round are taken at the next one (`LATE_MOMENTS_S`).
+Moments nobody adopted within `KEEP_ROUNDS` rounds are dropped. Without them an adopter starts
 fresh moments, as after a death.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ logger = get_logger(__name__)
 # finish within 10 s (issue 12) of the signal: the grace also ends STOP_GRACE + 1 s after it (sync.rounds).
 LEAVE_GRACE = 3.0
 KEEP_ROUNDS = 3
+LATE_MOMENTS_S = LEAVE_GRACE + 10.0  # an adopted expert's moments still arriving this long after its adoption
 
 
 class LeaveHandoff:
@@ -36,6 +38,7 @@ class LeaveHandoff:
         self._leave_lock = threading.Lock()
         self._left_moments: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # expert -> (round, moments)
         self._left_asked: set[tuple[int, str]] = set()  # (expert, leaver) already fetched or being fetched
+        self._adopted_without: dict[int, float] = {}  # expert adopted before its leaver's moments came -> when
 
     # ---- the peers that stay --------------------------------------------------------------------------------
 
@@ -46,6 +49,8 @@ class LeaveHandoff:
         if not left or self.swarm.peer_id not in records:
             return
         mine = set(self.swarm.orphans_to_adopt(self.model.owned_experts, self.max_owned, records))
+        with self._leave_lock:  # adopted by a round that read the tombstone before this reader did
+            mine |= set(self._adopted_without)
         for expert, leavers in sorted(left.items()):
             seen = self.ownership._last_owners.get(expert, set())
             for leaver in sorted(leavers & seen):
@@ -76,9 +81,33 @@ class LeaveHandoff:
                 if expert in self._left_moments:
                     self.handed_over[expert] = self._left_moments.pop(expert)[1]
                     taken.append(expert)
+                else:
+                    self._adopted_without[expert] = time.monotonic()
             for expert, (round_id, _) in list(self._left_moments.items()):
                 if round_id < self.round_id - KEEP_ROUNDS:
                     del self._left_moments[expert]
+        return taken
+
+    def _take_late_moments(self) -> list[int]:
+        """(Round apply.) Moments that arrived after their expert was adopted, within LATE_MOMENTS_S of the
+        adoption and while this peer still owns it: a round can adopt a leaver's experts a fraction of a second
+        after its tombstone, before the fetch started by the background reader is done (a lone peer's rounds
+        take 0.1 s: tests/test_ops.py on a loaded machine)."""
+        taken: list[int] = []
+        now = time.monotonic()
+        with self._leave_lock:
+            pending = {e: t for e, t in self._adopted_without.items() if e in self.model.owned_experts}
+            ready = sorted(e for e in pending if e in self._left_moments)
+            # All of one adoption's moments at once (the training loop loads them together), unless some never come.
+            waiting = [e for e, t in pending.items() if e not in self._left_moments and now - t <= LATE_MOMENTS_S]
+            if ready and not waiting:
+                for expert in ready:
+                    self.handed_over[expert] = self._left_moments.pop(expert)[1]
+                    del pending[expert]
+                taken = ready
+            self._adopted_without = {e: t for e, t in pending.items() if now - t <= LATE_MOMENTS_S}
+        if taken:
+            logger.info(f"the optimizer moments of adopted experts {taken} from their leaving owner arrived")
         return taken
 
     # ---- the leaving peer -----------------------------------------------------------------------------------

@@ -461,6 +461,7 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         # showed, and each left owning what another had just left (tests/test_partition.py).
         if records and not self._leaving:
             report.adopted, report.given_back = self._adopt(records, set(means), report.cut_off)
+        self._take_late_moments()
         now = time.perf_counter()
         report.timing["apply"] = now - applying
         report.blocked_seconds = now - wait_start
