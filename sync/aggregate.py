@@ -62,10 +62,12 @@ def median_clip_scales(norms: Sequence[float]) -> list[float]:
 
     With three or more contributions a single peer can then move the aggregate by at most the median honest
     norm times its weight share, whatever it sent; with two, nobody can tell which is honest, and the larger is
-    brought down to the smaller. Scales are float32-rounded, so every peer multiplies by the same number."""
-    finite = sorted(n for n in norms if math.isfinite(n))
+    brought down to the smaller. A zero change (a peer that trained nothing) says nothing about an honest norm
+    and does not set the median: with two peers it would clip the other's whole change to nothing. Scales are
+    float32-rounded, so every peer multiplies by the same number."""
+    finite = sorted(n for n in norms if math.isfinite(n) and n > 0)
     if not finite:
-        return [0.0 for _ in norms]
+        return [1.0 if n == 0 else 0.0 for n in norms]
     tau = finite[(len(finite) - 1) // 2]
     return [float(torch.tensor(min(1.0, tau / n) if n > 0 else 1.0, dtype=torch.float32))
             if math.isfinite(n) else 0.0 for n in norms]

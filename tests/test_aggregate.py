@@ -33,6 +33,9 @@ def test_median_clip_brings_outliers_to_the_median_norm():
     assert scales[0] == 1.0 and scales[1] == 1.0
     assert abs(scales[2] * 100.0 - 2.0) < 1e-5
     assert median_clip_scales([1.0, math.inf]) == [1.0, 0.0]  # a non-finite contribution counts for nothing
+    # A peer that trained nothing (zero change) does not set the clip: the other's change is kept whole.
+    assert median_clip_scales([0.0, 3.0]) == [1.0, 1.0] and median_clip_scales([0.0, 0.0]) == [1.0, 1.0]
+    assert median_clip_scales([0.0, 1.0, 2.0, 100.0])[3] == median_clip_scales([1.0, 2.0, 100.0])[2]
 
 
 def test_weights_are_capped_both_ways():

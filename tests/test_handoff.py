@@ -143,3 +143,42 @@ def test_layers_with_different_step_counts_keep_them(swarm_factory):
     opt_c = torch.optim.AdamW([p for p in c.model.parameters() if p.requires_grad], betas=BETAS, foreach=False)
     assert load_expert_moments(opt_c, c.model, 1, c.sync.handed_over[1], BETAS) is None
     assert {float(opt_c.state[p]["step"]) for p in c.model.expert_parameters(1)} == {counts[0]}
+
+
+def test_an_adopter_that_adopted_before_it_saw_the_tombstone_still_gets_the_moments(swarm_factory):
+    """A round can adopt a leaver's experts before the background reader (which fetches a leaver's moments) saw
+    its tombstone: a lone peer's rounds take a fraction of a second. The reader then fetches them for the experts
+    adopted without them, and the next round hands them to the training loop."""
+    import threading
+    import time
+
+    from tests.conftest import round_all
+
+    cfg = sync_cfg(record_ttl=6.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    opt_b = _adamw(b.model)
+    b.sync.exchange.moments_provider = lambda e: expert_moments(opt_b, b.model, e)
+    round_all([a, b])  # each saw the other's experts owned
+    watch = a.sync.progress.on_read
+    a.sync.progress.on_read = lambda records: None  # a's reader does not look at leavers yet
+    b.sync.leave_soon()
+    leaving = threading.Thread(target=b.sync.shutdown)  # tombstone, then serves its moments for LEAVE_GRACE s
+    leaving.start()
+    try:
+        deadline = time.monotonic() + 10
+        while {2, 3} - set(a.swarm.left_by()) and time.monotonic() < deadline:
+            a.swarm.peers()  # a read that sees the tombstone
+            time.sleep(0.05)
+        for step in range(2, 12):  # (rounds find their read incomplete while the reader's view, <= 2 s old, has b)
+            report = a.sync.round(step=step, tokens=100 * step, tokens_since_last=100)
+            if report.adopted:
+                break
+            time.sleep(0.5)
+        assert report.adopted == [2, 3] and not a.sync.handed_over, report
+        a.sync.progress.on_read = watch
+        while set(a.sync._left_moments) != {2, 3} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        a.sync.round(step=20, tokens=2000, tokens_since_last=100)
+        assert set(a.sync.handed_over) == {2, 3}
+    finally:
+        leaving.join(timeout=15)
