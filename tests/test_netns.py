@@ -180,15 +180,18 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
         assert proc.wait(timeout=150) == 0, proc.log_tail(60)
     home_rounds = rounds(home.log_path.read_text())
     assert len(home_rounds) >= 9, home.log_tail(60)
-    # Every round of the home peer was with both public peers (the final drain after the last step may find
-    # them gone already) ...
-    assert all(r.group == 3 for r in home_rounds[:-1]), [(r.round_id, r.group) for r in home_rounds]
+    # The home peer's rounds were with both public peers (the final drain after the last step may find them gone
+    # already), but for at most two: a record announces only its peer's newest contribution, so a peer that
+    # reaches a round when another has already moved on to the next one (rounds of this config take 0.3 s and
+    # peers run at different paces) leaves that one out; its change stays in its live model and goes out later ...
+    together = [r.group == 3 for r in home_rounds[:-1]]
+    assert sum(together) >= len(together) - 2, [(r.round_id, r.group) for r in home_rounds]
     assert "only 1 of" not in home.log_path.read_text()
     for proc in publics:
         # ... and each public peer synchronized all 4 experts, the home peer's 2 and 3 (from its contribution)
         # among them.
         full = [r for r in rounds(proc.log_path.read_text()) if r.group == 3 and r.synced == 4 and not r.missing]
-        assert len(full) >= len(home_rounds) - 2, [(r.round_id, r.group, r.synced)
+        assert len(full) >= len(home_rounds) - 3, [(r.round_id, r.group, r.synced)
                                                    for r in rounds(proc.log_path.read_text())]
     # What spes_relay_reservations serves, as the home peer's metrics.jsonl recorded it while it trained.
     held = [json.loads(line).get("relay_reservations") for line in
