@@ -260,7 +260,6 @@ class Contributions(Repair):
         while True:
             records = self.swarm.peers()
             others = self._others(records)
-            report.peers_seen = len(others) + 1
             announced = contributors({p: r.announcement() for p, r in others.items()}, self.round_id)
             announced = {p: a for p, a in announced.items() if not self._skipped(p)}
             # A peer that never delivered a contribution and missed once (a record with nothing behind it) is

@@ -377,7 +377,7 @@ class SparseSync(Contributions, Following, ExpertFetching, Applying, Replicas, D
         no other peer sets `report.cut_off` when this peer cannot reach the run (asked with a ping)."""
         others = self._others(records)
         if ((self.model.owned_experts and self.swarm.peer_id not in records) or len(others) + 1 < report.group_size
-                or (not others and (report.peers_seen > 1 or bool(others_at_start)))):
+                or (not others and report.peers_seen > 1)):
             # An incomplete read: not even this peer's own record came back (stored at join, refreshed by the
             # heartbeat), or fewer peers than this round's all-reduce group, or none while the read at the round's
             # start, seconds ago, showed some (a home peer behind a NAT read only its own record and adopted every
