@@ -165,13 +165,17 @@ class Contributions(Repair):
         started = time.perf_counter()
         size, digest, expert_bytes = self._contribute(own, weight)
         self._expert_share = expert_bytes / max(size, 1)  # splits the served bytes by kind (contribution_bytes)
-        self.swarm.publish(experts=sorted(own), round=self.round_id, step=step, tokens=tokens,
-                           contrib=[self.round_id, size, digest, int(weight), sorted(own)])
+        newest = self.swarm.record.contrib  # announced on as `prev`: a peer still gathering that round finds it
+        self.swarm.publish(wait=False, experts=sorted(own), round=self.round_id, step=step, tokens=tokens,
+                           contrib=[self.round_id, size, digest, int(weight), sorted(own)],
+                           prev=list(newest) if newest and newest[0] < self.round_id else [])
         report.timing["contribute"] = time.perf_counter() - started
+        # Waiting, all of it, is bounded: announcements within round_timeout, blobs by matchmaking_time more.
+        ends = time.monotonic() + self.cfg.round_timeout + self.cfg.matchmaking_time
         records, announced = self._await_announcements(report)
         self._check_divergence(self._others(records))  # sync/repair.py: before aggregating onto the references
         gathering = time.perf_counter()
-        blobs = self._fetch_blobs(announced)
+        blobs = self._fetch_blobs(announced, ends)
         report.timing["gather"] = time.perf_counter() - gathering
         aggregating = time.perf_counter()
         decoded = {self.swarm.peer_id: self._own_blob[2]}
@@ -260,7 +264,7 @@ class Contributions(Repair):
         while True:
             records = self.swarm.peers()
             others = self._others(records)
-            announced = contributors({p: r.announcement() for p, r in others.items()}, self.round_id)
+            announced = contributors({p: r.announcement(self.round_id) for p, r in others.items()}, self.round_id)
             announced = {p: a for p, a in announced.items() if not self._skipped(p)}
             # A peer that never delivered a contribution and missed once (a record with nothing behind it) is
             # not waited for again: it costs one wait, not one every few rounds.
@@ -295,7 +299,7 @@ class Contributions(Repair):
         self._misses.pop(peer_id, None)
         self._skip_until.pop(peer_id, None)
 
-    def _fetch_blobs(self, announced: dict[str, Announcement]) -> dict[str, bytes]:
+    def _fetch_blobs(self, announced: dict[str, Announcement], ends: float) -> dict[str, bytes]:
         if not announced:
             return {}
         requests = []
@@ -314,7 +318,8 @@ class Contributions(Repair):
         total = sum(a.size for a in announced.values())
         wait = fetch_deadline(total, self._download_rate or DEFAULT_RATE, MIN_FETCH_SECONDS, self.cfg.round_timeout)
         started = time.monotonic()
-        results = self.contrib_exchange.fetch_many(requests, deadline=started + wait)
+        deadline = min(started + wait, max(ends, started + MIN_FETCH_SECONDS))
+        results = self.contrib_exchange.fetch_many(requests, deadline=deadline)
         blobs = {p: r for p, r in results.items() if isinstance(r, (bytes, bytearray))}
         for origin, result in results.items():
             if not isinstance(result, (bytes, bytearray)):

@@ -44,17 +44,22 @@ class PeerRecord:
     # [round, DHT time]: when this peer expects to be ready to start that round (sync.schedule: the others keep
     # training until the last of them is, so a round's group forms at once). Empty: no estimate.
     due: list = field(default_factory=list)
-    # Its newest contribution (sync.protocol: contributions): [round, size, sha256 hex, weight, experts]; and
-    # [round, digest] of its synchronized tensors after it applied that round (sync/contributions.py).
+    # Its newest contribution (sync.protocol: contributions): [round, size, sha256 hex, weight, experts]; the
+    # one before it (`prev`, same form, an older round: a peer still gathering that round, behind this one,
+    # still finds it); and [round, digest] of its synchronized tensors after it applied a round
+    # (sync/contributions.py).
     contrib: list = field(default_factory=list)
+    prev: list = field(default_factory=list)
     synced: list = field(default_factory=list)
 
-    def announcement(self) -> Announcement | None:
-        """Its contribution as sync.aggregate reads it (None: it announced none)."""
-        if not self.contrib:
-            return None
-        r, size, digest, weight, experts = self.contrib
-        return Announcement(r, size, digest, weight, tuple(experts))
+    def announcement(self, round_id: int | None = None) -> Announcement | None:
+        """Its contribution to `round_id` (default: its newest) as sync.aggregate reads it; None: none announced
+        for that round."""
+        for entry in (self.contrib, self.prev):
+            if entry and (round_id is None or entry[0] == round_id):
+                r, size, digest, weight, experts = entry
+                return Announcement(r, size, digest, weight, tuple(experts))
+        return None
 
     def to_value(self) -> dict[str, Any]:
         value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
@@ -79,6 +84,8 @@ class PeerRecord:
             value["due"] = [int(self.due[0]), float(self.due[1])]
         if self.contrib:
             value["contrib"] = list(self.contrib)
+        if self.prev:
+            value["prev"] = list(self.prev)
         if self.synced:
             value["synced"] = list(self.synced)
         return value
@@ -123,14 +130,17 @@ class PeerRecord:
         due = value.get("due", [])
         if due and not is_due(due):
             return None
-        contrib, synced = value.get("contrib", []), value.get("synced", [])
+        contrib, prev, synced = value.get("contrib", []), value.get("prev", []), value.get("synced", [])
         if (contrib and not is_contrib(contrib, num_experts)) or (synced and not is_synced(synced)):
+            return None
+        if prev and not (contrib and is_contrib(prev, num_experts) and prev[0] < contrib[0]):
             return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
                    follows=value.get("follows") is True, budget=budget, caretaking=sorted(set(caretaking)),
                    finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
                    left=sorted(set(left)), due=[due[0], float(due[1])] if due else [],
-                   contrib=[*contrib[:4], sorted(contrib[4])] if contrib else [], synced=list(synced))
+                   contrib=[*contrib[:4], sorted(contrib[4])] if contrib else [],
+                   prev=[*prev[:4], sorted(prev[4])] if prev else [], synced=list(synced))
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:

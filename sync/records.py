@@ -58,9 +58,10 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # left: in a clean leave's tombstone (no experts), the experts the peer owned (sync.ownership adopts them at once).
 # due: [round, DHT time] when the peer expects to be ready to start that round (sync.schedule).
 # contrib: [round, size, sha256 hex, weight, experts] of the peer's contribution blob (sync/contributions.py);
+# prev: the contribution before `contrib`, same form, an older round (a peer behind still finds it).
 # synced: [round, digest hex] of its synchronized tensors after applying that round.
 _OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin", "left", "due",
-                    "contrib", "synced"}
+                    "contrib", "prev", "synced"}
 MAX_BLOB_BYTES = 2**36  # a contribution of a model far beyond the paper's shapes, uncompressed, stays under it
 MAX_DUE_TIME = 2.0 ** 34  # seconds since the epoch: year 2514; readers bound it by their own clock (sync.schedule)
 
@@ -157,6 +158,9 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
     if "due" in value and not is_due(value["due"]):
         return False
     if "contrib" in value and not is_contrib(value["contrib"], num_experts):
+        return False
+    if "prev" in value and not ("contrib" in value and is_contrib(value["prev"], num_experts)
+                                and value["prev"][0] < value["contrib"][0]):
         return False
     if "synced" in value and not is_synced(value["synced"]):
         return False

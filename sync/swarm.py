@@ -100,8 +100,10 @@ class Swarm:
 
     # ---- records ------------------------------------------------------------------------------------------
 
-    def publish(self, **changes: Any) -> None:
-        """Update and store this peer's record (experts / round / step / tokens)."""
+    def publish(self, wait: bool = True, **changes: Any) -> None:
+        """Update and store this peer's record (experts / round / step / tokens). `wait=False`: the record is
+        updated now and its store goes out without waiting for the replicas' answers (a round's announcement: a
+        DHT node that went away costs each store a request timeout, which must not stretch the round)."""
         with self._lock:
             for name, value in changes.items():
                 setattr(self.record, name, sorted(value) if name in ("experts", "caretaking") else value)
@@ -109,6 +111,10 @@ class Swarm:
             # Taken under the lock: of two publishes racing (the round's start, the heartbeat, sync.schedule's
             # estimate), the value built last expires last, and the DHT keeps the latest expiration.
             expiration = get_dht_time() + self.ttl
+        if not wait:  # the heartbeat stores it again within ttl / 3 if this one fails
+            self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=expiration,
+                           return_future=True)
+            return
         try:
             self._store(value, expiration)
         except TimeoutError:  # the heartbeat stores it again within ttl / 3

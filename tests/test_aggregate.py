@@ -20,6 +20,23 @@ def test_contributors_are_this_rounds_in_peer_id_order():
     assert list(got) == ["a", "c"]
 
 
+def test_a_record_announces_its_previous_contribution_for_a_peer_still_at_that_round():
+    """A peer a round behind another that moved on still finds that one's contribution to its round (`prev`)."""
+    from sync.peer_record import PeerRecord
+    from sync.records import check_record_payload
+    record = PeerRecord("p", [1], round=5, contrib=[5, 100, "b" * 64, 7, [1]], prev=[4, 90, "c" * 64, 6, [1]])
+    value = record.to_value()
+    assert check_record_payload(value, 4)
+    parsed = PeerRecord.from_value("p", value, 4)
+    assert parsed.announcement(4) == Announcement(4, 90, "c" * 64, 6, (1,))
+    assert parsed.announcement(5).round == 5 and parsed.announcement().round == 5 and parsed.announcement(3) is None
+    assert contributors({"p": parsed.announcement(4)}, 4) == {"p": Announcement(4, 90, "c" * 64, 6, (1,))}
+    for bad in ({**value, "prev": [5, 90, "c" * 64, 6, [1]]},  # not older than the newest
+                {k: v for k, v in value.items() if k != "contrib"},  # a previous one without a newest
+                {**value, "prev": [4, 90, "c" * 63, 6, [1]]}):
+        assert PeerRecord.from_value("p", bad, 4) is None and not check_record_payload(bad, 4), bad
+
+
 def test_fetch_deadline_scales_with_bytes_and_is_bounded():
     assert fetch_deadline(10_000_000, 1e6, 2.0, 60.0) == 20.0  # twice the bytes' time at the measured rate
     assert fetch_deadline(1000, 1e6, 2.0, 60.0) == 2.0  # floor
