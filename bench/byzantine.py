@@ -2,16 +2,15 @@
 
     python -m bench.byzantine                            # every contribution attack (c_*) + baselines (~6 min)
     python -m bench.byzantine --quick --attacks c_scale --baselines reference
-    python -m bench.byzantine --protocol allreduce       # the all-reduce protocol's attacks + baselines (~10 min)
+    python -m bench.byzantine --attacks round,tombstone,expert,silent   # the record / expert-exchange attacks
 
 Each arm starts a plain `hivemind-dht` bootstrap on 127.0.0.1, three honest `python -m peer.run` peers (experts
 0-1, 2-3, 4-5 of 8: experts 6-7 are owned by nobody, and the attackers that need to claim an expert take those,
 serving the initial value every peer holds) and one `python -m bench.adversary` process. Rounds are blocking
 (`sync.overlap: false`) and every peer evaluates right after each round, so the held-out loss at the last step
 is that of the synchronized model; honest peer i has the same identity (so the same data order) in every arm.
-Baselines, with nobody attacking: `reference` (the same 3 honest peers: every
-ratio is to it), `honest4` (4 honest peers, experts 6-7 owned too) and `honest4_plain` (the same with plain
-averaging, PLAIN_AVERAGING_OVERRIDE): their loss and round time are the price of robustness.
+Baselines, with nobody attacking: `reference` (the same 3 honest peers: every ratio is to it) and `honest4`
+(4 honest peers, experts 6-7 owned too).
 
 Per arm: honest held-out loss (mean over the honest peers that finished), its ratio to the reference, honest
 peers that exited non-zero, refusals (the counters by reason that the peers' metrics.jsonl carry, where this
@@ -19,11 +18,10 @@ build writes them; else the per-round `rejected N` of their logs), rounds averag
 seconds, the largest round counter an honest peer reached (a forged round shows here) and what the attacker did.
 Writes results.json and table.md into --out; arm logs and run dirs go to --work-dir.
 
-`--protocol contributions` (the default) runs every arm (honest peers and attacker alike) with `sync.protocol:
-contributions` and `sync.compression: sparse` (CONTRIBUTION_OVERRIDE); its default attacks are the contribution
-attacks of bench/adversary.py (c_*) and its default baselines reference and honest4 (the contribution protocol's
-aggregate is always the robust one, so honest4_plain measures nothing there). `--protocol allreduce` runs the
-all-reduce protocol (ALLREDUCE_OVERRIDE) with the attacks of its era.
+Every peer of every arm, honest and attacker alike, runs the contribution protocol with `sync.compression: sparse`
+(SYNC_OVERRIDE; the aggregate is always the robust one, so there is no plain-averaging arm). The default attacks
+are the contribution attacks of bench/adversary.py (c_*); its record and expert-exchange attacks (round,
+tombstone, expert, silent) run when named in --attacks.
 """
 from __future__ import annotations
 
@@ -44,24 +42,17 @@ from typing import Any
 
 import yaml
 
-from bench.adversary import ALLREDUCE_ATTACKS, ALLREDUCE_ERA_ATTACKS, ATTACKS, CONTRIB_ATTACKS
+from bench.adversary import ATTACKS, CONTRIB_ATTACKS
 from bench.common import REPO_ROOT, config_path, format_table, logger, setup_logging
 from bench.convergence import _deep_merge, _start_bootstrap, _stop
 
-# Config overrides (nested) that turn robust aggregation off, for the price-of-robustness arm. The arm is skipped
-# on builds whose SyncConfig has no such field (before robust aggregation landed).
-PLAIN_AVERAGING_OVERRIDE: dict[str, Any] = {"sync": {"aggregation": "mean"}}
 HONEST_EXPERTS = ["0-1", "2-3", "4-5"]
 FOURTH_EXPERTS = "6-7"
 SCALES = {"default": {"steps": 60, "every": 10}, "quick": {"steps": 20, "every": 10}}
-BASELINES = ("reference", "honest4", "honest4_plain")
-PROTOCOLS = ("allreduce", "contributions")
-# Every peer of every arm, honest and attacker, under --protocol contributions.
-CONTRIBUTION_OVERRIDE: dict[str, Any] = {"sync": {"protocol": "contributions", "compression": "sparse"}}
-# ... and under --protocol allreduce (no longer the default protocol: named, with its fp32 default codec).
-ALLREDUCE_OVERRIDE: dict[str, Any] = {"sync": {"protocol": "allreduce", "compression": "none"}}
-DEFAULT_ATTACKS = {"allreduce": ALLREDUCE_ERA_ATTACKS, "contributions": CONTRIB_ATTACKS}
-DEFAULT_BASELINES = {"allreduce": BASELINES, "contributions": ("reference", "honest4")}
+BASELINES = ("reference", "honest4")
+# Every peer of every arm, honest and attacker: the codec named, so that the bench does not follow a changed default.
+SYNC_OVERRIDE: dict[str, Any] = {"sync": {"compression": "sparse"}}
+DEFAULT_ATTACKS = CONTRIB_ATTACKS
 _ROUND_RE = re.compile(r"round (\d+) applied at step \d+: shared group (\d+)(.*)")
 _SECONDS_RE = re.compile(r"([\d.]+)s \(([\d.]+)s blocked\)")
 
@@ -74,63 +65,42 @@ class Arm:
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def plain_override_supported() -> bool:
-    """Whether this build's config has every field PLAIN_AVERAGING_OVERRIDE sets."""
-    from sync.config import SyncConfig
-    names = {f.name for f in dataclasses.fields(SyncConfig)}
-    return set(PLAIN_AVERAGING_OVERRIDE.get("sync", {})) <= names and set(PLAIN_AVERAGING_OVERRIDE) <= {"sync"}
-
-
-def build_arms(attacks: list[str], baselines: list[str], protocol: str = "allreduce") -> list[Arm]:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
-    wrong = [a for a in attacks if a in CONTRIB_ATTACKS and protocol != "contributions"]
-    if wrong:
-        raise ValueError(f"attack(s) {', '.join(wrong)} need --protocol contributions")
+def build_arms(attacks: list[str], baselines: list[str]) -> list[Arm]:
     arms = []
     for name in baselines:
         if name == "reference":
             arms.append(Arm("reference", 3))
         elif name == "honest4":
             arms.append(Arm("honest4", 4))
-        elif name == "honest4_plain":
-            if plain_override_supported():
-                arms.append(Arm("honest4_plain", 4, overrides=PLAIN_AVERAGING_OVERRIDE))
-            else:
-                logger.warning("honest4_plain skipped: this build's config has no field for "
-                               f"PLAIN_AVERAGING_OVERRIDE = {PLAIN_AVERAGING_OVERRIDE}")
         else:
             raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     for attack in attacks:
         if attack not in ATTACKS:
             raise ValueError(f"unknown attack {attack!r}; choose from {', '.join(ATTACKS)}")
         arms.append(Arm(attack, 3, attack=attack))
-    base = CONTRIBUTION_OVERRIDE if protocol == "contributions" else ALLREDUCE_OVERRIDE
     for arm in arms:
-        arm.overrides = _deep_merge(base, arm.overrides)
+        arm.overrides = _deep_merge(SYNC_OVERRIDE, arm.overrides)
     return arms
 
 
 def arm_config(arm: Arm, steps: int, every: int) -> dict[str, Any]:
-    """configs/tiny.yaml with 8 experts, this arm's schedule and blocking, organized rounds."""
+    """configs/tiny.yaml with 8 experts, this arm's schedule and blocking, organized rounds (no honest peer
+    trains before all honest peers are in)."""
     base = yaml.safe_load(config_path("tiny").read_text())
-    # The group is complete (the all-reduce starts at once) when every honest peer and an all-reduce attacker
-    # are in; an attacker that is not let in costs the honest peers the matchmaking window, which shows.
-    group = arm.honest + (1 if arm.attack in ALLREDUCE_ATTACKS else 0)
     cfg = _deep_merge(base, {
         "run_id": f"byz-{arm.name.replace('_', '-')}",
         "model": {"num_experts": 8},
         "train": {"max_steps": steps, "log_every": every, "eval_every": every, "eval_batches": 4,
                   "checkpoint_every": 0, "warmup_steps": max(1, steps // 10)},
         "sync": {"every": every, "overlap": False, "matchmaking_time": 10.0, "round_timeout": 20.0,
-                 "target_group_size": group, "wait_for_peers": arm.honest,
+                 "wait_for_peers": arm.honest,
                  "merge": {"interval": 2 * every, "alpha": 0.0, "decay_steps": steps, "topk": 2}},
     })
     return _deep_merge(cfg, arm.overrides)
 
 
 def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    # Own session: a kill of its process group reaches its DHT/averager children and their p2pd daemons too.
+    # Own session: a kill of its process group reaches its DHT children and their p2pd daemons too.
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -277,22 +247,9 @@ def tables(results: list[dict[str, Any]]) -> str:
                      f"{r['averaged_rounds']:.1f}/{r['rounds']:.1f}", _fmt(r["round_s"], ".1f"), _fmt(s_ratio, ".2f"),
                      f"{counter:.3g}" if counter > 10**6 else str(counter), str(r["redownloads"]),
                      f"{r['wall_s']:.0f}"])
-    text = format_table(["arm", "peers", "honest eval loss", "÷ reference", "crashed", "refusals",
-                         "rounds averaged/done", "round s", "round s ÷ ref", "round counter", "re-downloads", "wall s"], rows)
-    robust, plain = by_arm.get("honest4"), by_arm.get("honest4_plain")
-    if robust and plain:
-        def ratio(key: str) -> str:
-            a, b = robust[key], plain[key]
-            return _fmt(a / b, ".3f") if a is not None and b else "-"
-        text += "\n\nPrice of robustness (4 honest peers, nobody attacking):\n\n" + format_table(
-            ["aggregation", "honest eval loss", "round s"],
-            [["default (robust)", _fmt(robust["eval_loss"]), _fmt(robust["round_s"], ".2f")],
-             ["plain averaging", _fmt(plain["eval_loss"]), _fmt(plain["round_s"], ".2f")],
-             ["robust ÷ plain", ratio("eval_loss"), ratio("round_s")]])
-    elif robust:
-        text += ("\n\nPrice of robustness: no plain-averaging arm (PLAIN_AVERAGING_OVERRIDE "
-                 f"{PLAIN_AVERAGING_OVERRIDE} is not a field of this build's config, or the arm was not asked for).")
-    return text
+    return format_table(["arm", "peers", "honest eval loss", "÷ reference", "crashed", "refusals",
+                         "rounds averaged/done", "round s", "round s ÷ ref", "round counter", "re-downloads", "wall s"],
+                        rows)
 
 
 def build_id() -> str | None:
@@ -309,12 +266,10 @@ def build_id() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.byzantine", description=__doc__.split("\n\n")[0])
-    p.add_argument("--protocol", choices=PROTOCOLS, default="contributions",
-                   help="round protocol of every peer (its sync.protocol and codec are set in each config)")
     p.add_argument("--attacks", help=f"comma list of attacks ({', '.join(ATTACKS)}); default: every attack of "
-                                     "the protocol")
-    p.add_argument("--baselines", help="comma list of no-attacker arms: reference (needed for the ratios), honest4, "
-                                       "honest4_plain; default: all three (allreduce), reference,honest4 (contributions)")
+                                     "the contribution protocol (c_*)")
+    p.add_argument("--baselines", help="comma list of no-attacker arms: reference (needed for the ratios), honest4; "
+                                       "default: both")
     p.add_argument("--quick", action="store_true", help=f"fewer steps ({SCALES['quick']['steps']}): a smoke run")
     p.add_argument("--steps", type=int, help="local steps per peer")
     p.add_argument("--every", type=int, help="sync every H steps (also the evaluation interval)")
@@ -330,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps {steps} must be a multiple of --every {every} (the last evaluation follows a round)")
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     try:
-        attacks = args.attacks if args.attacks is not None else ",".join(DEFAULT_ATTACKS[args.protocol])
-        baselines = args.baselines if args.baselines is not None else ",".join(DEFAULT_BASELINES[args.protocol])
-        arms = build_arms(split(attacks), split(baselines), args.protocol)
+        attacks = args.attacks if args.attacks is not None else ",".join(DEFAULT_ATTACKS)
+        baselines = args.baselines if args.baselines is not None else ",".join(BASELINES)
+        arms = build_arms(split(attacks), split(baselines))
     except ValueError as e:
         p.error(str(e))
     out, work = Path(args.out), Path(args.work_dir)
@@ -346,12 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         r = results[-1]
         logger.info(f"arm {arm.name} done in {r['wall_s']:.0f}s: loss {_fmt(r['eval_loss'])}, "
                     f"crashed {r['honest_crashed']}/{r['honest']}")
-        (out / "results.json").write_text(json.dumps({"build": build, "protocol": args.protocol, "steps": steps,
+        (out / "results.json").write_text(json.dumps({"build": build, "sync": SYNC_OVERRIDE["sync"], "steps": steps,
                                                       "every": every, "arms": results}, indent=1))
-    protocol = (f"protocol {args.protocol}" + (" (sync.compression: sparse)" if args.protocol == "contributions"
-                                               else ""))
-    header = (f"build {build or 'unknown'}, {protocol}: {steps} steps, H = {every}, configs/tiny.yaml with 8 experts, honest "
-              f"experts {', '.join(HONEST_EXPERTS)} (+ {FOURTH_EXPERTS} in the 4-peer arms)")
+    codec = f"sync.compression: {SYNC_OVERRIDE['sync']['compression']}"
+    header = (f"build {build or 'unknown'}, {codec}: {steps} steps, H = {every}, configs/tiny.yaml with 8 experts, "
+              f"honest experts {', '.join(HONEST_EXPERTS)} (+ {FOURTH_EXPERTS} in the 4-peer arms)")
     text = tables(results)
     (out / "table.md").write_text(f"{header}\n\n{text}\n")
     sys.stdout.write(f"{header}\n{text}\n")

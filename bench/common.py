@@ -1,4 +1,5 @@
-"""Shared helpers of the bench scripts: model shapes, process memory readings, medians and plain-text tables.
+"""Shared helpers of the bench scripts: model shapes, process memory readings, process census, medians and
+plain-text tables.
 
 Memory is read from Linux's /proc: `VmRSS` (resident now) and `VmHWM` (the kernel's exact resident high-water
 mark, the number `getrusage().ru_maxrss` reports). Writing "5" to /proc/self/clear_refs resets the high-water
@@ -185,3 +186,67 @@ def set_threads(threads: int) -> int:
     threads = threads or (os.cpu_count() or 1)
     torch.set_num_threads(threads)
     return threads
+
+
+# ---- processes of this run (from /proc) ------------------------------------------------------------------------
+
+def descendants(root: int) -> list[int]:
+    """PIDs of every live descendant process of `root` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def process_name(pid: int) -> str:
+    """The command name of a process ("?" if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def pss_bytes(pids: Sequence[int]) -> int:
+    """Sum of proportional set sizes (shared pages split between the processes mapping them)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total
+
+
+def census() -> tuple[int, int, float]:
+    """(descendant processes, of which p2pd, PSS of this process + descendants in GiB)."""
+    kids = descendants(os.getpid())
+    p2pd = sum(process_name(p) == "p2pd" for p in kids)
+    return len(kids), p2pd, pss_bytes([os.getpid(), *kids]) / 2**30
+
+
+def wait_for_no_p2pd(timeout_s: float = 20.0) -> int:
+    """Wait until no p2pd daemon started by this process is left; returns how many remain."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p in descendants(os.getpid()) if process_name(p) == "p2pd"]
+        if not left or time.monotonic() > deadline:
+            return len(left)
+        time.sleep(0.5)

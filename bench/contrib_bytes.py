@@ -7,9 +7,15 @@ Table 1 (sizes) uses `sync.sparse.encoded_size` on the real parameter shapes, ta
 (`model.model.SpesMoE`) built on the meta device (no memory, so 1B parameters are never allocated): the shared
 tensors (`shared_parameters()`) and one expert's tensors (`expert_tensors(e)`, the same shapes for every e).
 A contribution is the shared tensors plus the experts a peer owns (`sync.experts_per_peer` of the config).
-Header bytes are included. Ratios are vs fp32; bits/param = 8 · blob bytes / parameters in the contribution.
+Header bytes are included. Ratios are vs fp32 (`sync.compression: none`, uncompressed contributions); bits/param =
+8 · blob bytes / parameters in the contribution.
 
-Table 2 (cost) encodes and decodes real random Gaussian tensors of one expert's shapes (and, separately, of the
+Table 2 (bytes per peer per round, 4 and 16 peers) follows from the blob sizes: every peer fetches every other
+peer's blob, 2 (N-1) blobs sent + received per peer. Each codec is compared with uncompressed contributions and
+with a reference computed from the shapes: an fp32 butterfly all-reduce of the shared tensors plus bf16 expert
+copies from owners (the round protocol before contributions).
+
+Table 3 (cost) encodes and decodes real random Gaussian tensors of one expert's shapes (and, separately, of the
 largest shared tensor, the embedding) on this machine's CPU and reports wall time and the relative
 reconstruction error ||x - decoded|| / ||x|| (for sparse this is dominated by the dropped entries, which error
 feedback sends later, not by quantization); "sent-entry error" is the same over the entries that were sent.
@@ -64,28 +70,28 @@ def size_table(shared: dict, expert: dict, per_peer: int) -> str:
 
 
 def per_peer_table(shared: dict, expert: dict, per_peer: int, num_experts: int, peers: list[int]) -> str:
-    """Bytes one peer sends + receives per round, on average over the peers: contributions (every peer fetches
-    every other peer's blob; each byte a peer receives another sends, so the average sent equals the average
-    received, whoever serves a passed-on blob) against today's all-reduce path in theory (bench/comm.py
-    `expected_bytes`: butterfly all-reduce of the shared tensors in fp32, bf16 expert copies owner to non-owner).
-    Each of the N peers owns `per_peer` experts."""
-    from bench.comm import ShapeCount, expected_bytes
-
-    expert_numels = [math.prod(v) for v in expert.values()]
-    shape = ShapeCount(shared=[math.prod(v) for v in shared.values()], experts=expert_numels * num_experts)
-    rows = []
-    params = sum(map(math.prod, shared.values())) + per_peer * sum(map(math.prod, expert.values()))
+    """Bytes one peer sends + receives per round, on average over the peers: every peer fetches every other
+    peer's blob (each byte a peer receives another sends, so the average sent equals the average received,
+    whoever serves a passed-on blob): 2 (N-1) blobs. Each codec against uncompressed (fp32) contributions, and
+    against a computed reference: the fp32 butterfly all-reduce of the shared tensors (4 (N-1)/N copies) plus
+    bf16 expert copies owner to non-owner (2 (N-1)/N copies of every expert), the round protocol before
+    contributions. Each of the N peers owns `per_peer` experts."""
+    shared_numel = sum(map(math.prod, shared.values()))
+    expert_numel = num_experts * sum(map(math.prod, expert.values()))
+    params = shared_numel + per_peer * sum(map(math.prod, expert.values()))
+    contribution = {**shared, **{f"e{i}.{k}": v for i in range(per_peer) for k, v in expert.items()}}
     codecs = {**specs(), **{f"sparse top-{k}": SparseSpec(topk=k) for k in (16, 128, 256)}}
+    rows = []
     for n in peers:
-        today = sum(expected_bytes("SPES", n, shape, "none"))
+        fp32 = 2 * (n - 1) * encoded_size(contribution, SparseSpec(method="fp32"))
+        allreduce = (n - 1) / n * (4 * 4 * shared_numel + 2 * 2 * expert_numel)
         for label, spec in codecs.items():
-            blob = encoded_size({**shared, **{f"e{i}.{k}": v for i in range(per_peer) for k, v in expert.items()}},
-                                spec)
+            blob = encoded_size(contribution, spec)
             moved = 2 * (n - 1) * blob
             rows.append([str(n), label, f"{blob / 1e6:.2f}", f"{8 * blob / params:.3f}", f"{moved / 1e9:.3f}",
-                         f"{today / 1e9:.2f}", f"{moved / today:.4f}", f"{today / moved:.1f}x"])
-    return format_table(["peers", "codec", "blob MB", "bits/param", "contributions GB/peer/round",
-                         "today's fp32 path GB", "new / today", "reduction"], rows)
+                         f"{fp32 / moved:.1f}x", f"{allreduce / 1e9:.2f}", f"{allreduce / moved:.1f}x"])
+    return format_table(["peers", "codec", "blob MB", "bits/param", "GB/peer/round", "reduction vs fp32",
+                         "all-reduce reference GB", "reduction vs it"], rows)
 
 
 def cost_table(expert: dict, embedding: tuple[int, ...]) -> str:

@@ -5,16 +5,18 @@
     python -m bench.convergence --arms spes_nomerge --alpha-sweep 0.05,0.2,0.5     # the merge alpha sweep
 
 Each swarm arm starts a plain `hivemind-dht` bootstrap and `--peers` separate `python -m peer.run` processes on
-127.0.0.1 (real DHT, real averagers, real expert transfers) with one torch thread each; the centralized arm is one
-`peer.run` process with the whole global batch and no sync. All arms see the same total tokens, the same model
-shape, the same schedule and the same held-out blocks. Rounds are blocking (`sync.overlap: false`) and held-out
-loss is evaluated right after each round (eval_every = H), so every peer evaluates the synchronized model; the
-swarm's loss at a step is the mean over its peers.
+127.0.0.1 (real DHT, real contribution rounds: each peer serves one blob and aggregates everyone's) with one
+torch thread each; the centralized arm is one `peer.run` process with the whole global batch and no sync. All
+arms see the same total tokens, the same model shape, the same schedule and the same held-out blocks. Rounds
+are blocking (`sync.overlap: false`) and held-out loss is evaluated right after each round (eval_every = H), so
+every peer evaluates the synchronized model; the swarm's loss at a step is the mean over its peers.
 
 Reported per arm: held-out loss at 25/50/100 % of the token budget, ratio to centralized, wall time, CPU seconds
 (all processes of the arm, from wait4: robust to other load on the machine, unlike wall time), peak RSS of the
 largest peer process, tensor bytes per peer (sent + received, from the peers' metrics.jsonl), and the smallest
-shared all-reduce group seen (a round with fewer than --peers members means a peer missed it: a flawed run).
+round group seen (contributions a peer aggregated; a round with fewer than --peers means a peer missed it: a
+flawed run). Every swarm arm runs the contribution protocol with the run's default codec (`sync.compression:
+sparse`) unless its overrides say otherwise (`spes_fp32`: uncompressed fp32 contributions).
 Writes results.json, table.md and two PNGs (loss vs tokens, loss vs wall time) into --out.
 """
 from __future__ import annotations
@@ -92,9 +94,9 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
                                    {"sync": {"every": 0}}),
         "diloco": lambda: Arm("diloco", f"DiLoCo ({peers} peers, all experts, avg)", peers, ["all"] * peers, merge_off),
         "spes": lambda: Arm("spes", "SPES (merge warm-up)", peers, spes, merge_on),
-        # The all-reduce protocol, uncompressed (the default until issue 31; "spes" in results before then).
-        "spes_allreduce": lambda: Arm("spes_allreduce", "SPES, all-reduce, fp32", peers, spes,
-                                      _deep_merge(merge_on, {"sync": {"protocol": "allreduce", "compression": "none"}})),
+        # Uncompressed SPES: fp32 contributions (sync.compression: none), the baseline of the codec arms.
+        "spes_fp32": lambda: Arm("spes_fp32", "SPES, contributions, fp32", peers, spes,
+                                 _deep_merge(merge_on, {"sync": {"compression": "none"}})),
         "spes_nomerge": lambda: Arm("spes_nomerge", "SPES, no merge", peers, spes, merge_off),
         "spes_nesterov": lambda: Arm("spes_nesterov", "SPES + Nesterov outer", peers, spes,
                                      _deep_merge(merge_on, {"sync": {"outer": "nesterov"}})),
@@ -105,11 +107,8 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
         # end (train.own_expert_bias), against spes_nomerge.
         "spes_ownbias": lambda: Arm("spes_ownbias", "SPES, no merge, own-expert bias 1 -> 0", peers, spes,
                                     _deep_merge(merge_off, {"train": {"own_expert_bias": 1.0}})),
-        # Lever: the shared tensors (what every peer trains) averaged alone every N steps between full rounds
-        # (sync.shared_every); `spes_sharedN`, N must divide H (parsed below).
-        # Rounds as contributions (sync/contributions.py): each peer serves one blob and aggregates everyone's.
-        "spes_contrib": lambda: Arm("spes_contrib", "SPES, contributions, uncompressed", peers, spes,
-                                    _deep_merge(merge_on, {"sync": {"protocol": "contributions", "compression": "none"}})),
+        # The sparse codec (sync/sparse.py) at top-64/128/256, the unsent residual kept in the live model or held
+        # as error feedback (the default codec is top-256, kept: spes_sparse_keep256 is `spes`'s setting).
         "spes_sparse": lambda: Arm("spes_sparse", "SPES, contributions, top-64, error feedback", peers, spes,
                                    _sparse_arm(merge_on, 64, keep=False)),
         "spes_sparse_keep": lambda: Arm("spes_sparse_keep", "SPES, contributions, top-64, residual kept", peers,
@@ -128,19 +127,6 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
     for name in names:
         # A lever beyond the issue's seven: sync more often. `spes_hN` / `diloco_hN` = no merge, H = N (N must
         # divide the scale's H, so that evaluations still fall right after a round).
-        # A trailing "m": with the merge warm-up; "b": with spes_ownbias's routing bias.
-        shared = re.fullmatch(r"spes_shared(\d+)(m?)(b?)", name)
-        if shared:
-            n, merged, biased = int(shared.group(1)), bool(shared.group(2)), bool(shared.group(3))
-            if n <= 0 or n >= every or every % n:
-                raise ValueError(f"arm {name}: shared-only rounds every {n} steps must divide H = {every}")
-            overrides = _deep_merge(merge_on if merged else merge_off, {"sync": {
-                "shared_every": n, "protocol": "allreduce", "compression": "none"}})
-            if biased:
-                overrides = _deep_merge(overrides, {"train": {"own_expert_bias": 1.0}})
-            arms.append(Arm(name, f"SPES, {'merge warm-up' if merged else 'no merge'}, shared-only rounds every {n}"
-                            + (", own-expert bias" if biased else ""), peers, spes, overrides))
-            continue
         match = re.fullmatch(r"(spes|diloco)_h(\d+)", name)
         if match:
             h = int(match.group(2))
@@ -169,7 +155,7 @@ def _deep_merge(base: dict, extra: dict) -> dict:
 
 def _sparse_arm(base: dict[str, Any], topk: int, keep: bool) -> dict[str, Any]:
     """Contributions with the sparse codec at top-`topk` of 4096, the unsent residual kept live or not."""
-    return _deep_merge(base, {"sync": {"protocol": "contributions", "compression": "sparse",
+    return _deep_merge(base, {"sync": {"compression": "sparse",
                                        "sparse": {"topk": topk, "keep_residual": keep}}})
 
 
@@ -184,10 +170,10 @@ def arm_config(arm: Arm, scale: dict[str, Any], peers: int) -> dict[str, Any]:
                   "eval_every": scale["every"], "eval_batches": max(1, scale["eval_blocks"] // batch),
                   "checkpoint_every": 0},
         "data": {"dataset": "builtin", "tokenizer": "builtin"},
-        # The all-reduce starts as soon as all peers joined (target_group_size); the long matchmaking window
-        # only matters when a peer is late (a loaded machine), and then keeps it in the round.
+        # A round ends once every peer's contribution is in; the long waits for announcements and blobs only
+        # matter when a peer is late (a loaded machine), and then keep it in the round.
         "sync": {"every": scale["every"], "outer": "avg", "overlap": False,
-                 "matchmaking_time": 20.0, "round_timeout": 90.0, "target_group_size": peers,
+                 "matchmaking_time": 20.0, "round_timeout": 90.0,
                  "wait_for_peers": peers},  # nobody trains (and syncs alone) before all peers are there
     }
     return _deep_merge(cfg, arm.overrides)
@@ -268,7 +254,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _wait_rusage(procs: list[subprocess.Popen], timeout: float) -> list[dict[str, float]]:
-    """Wait for every process; per process: exit code, CPU seconds (with its waited children: DHT, averagers)
+    """Wait for every process; per process: exit code, CPU seconds (with its waited children: DHT, p2pd)
     and peak RSS (largest of it and its children), from wait4."""
     deadline = time.monotonic() + timeout
     results: dict[int, dict[str, float]] = {}

@@ -11,7 +11,7 @@ send it, and is started again at once with the same command: it resumes from its
 peer ID. Peer 0 is never killed: it is the survivor whose memory is followed.
 
 Measured, from the processes themselves:
-- RSS of each peer's whole process tree (peer, DHT, averagers, p2pd), sampled every 15 s; growth of the
+- RSS of each peer's whole process tree (peer, DHT, p2pd), sampled every 15 s; growth of the
   survivor = last sample / the first sample after warm-up (the first kill) - 1;
 - processes left behind: descendants of a killed peer still alive 10 s after its SIGKILL;
 - coverage: the bootstrap node's `spes_swarm_uncovered_experts` gauge, every second for 120 s after each restart
@@ -35,8 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.comm import descendants
-from bench.common import format_table, get_logger, setup_logging
+from bench.common import descendants, format_table, get_logger, setup_logging
 
 logger = get_logger(__name__)
 

@@ -1,26 +1,23 @@
 """SPES rounds on rate-limited links and behind a home NAT (issue 13): round time vs the link's transfer time.
 
-    python -m bench.wan                          # all four arms (≈ 8.5 min on 2 CPU cores, needs root)
+    python -m bench.wan                          # every arm (needs root)
     python -m bench.wan --arms spes --steps 20   # one arm, 2 rounds
-    python -m bench.wan --raw-link               # the links alone: libp2p streams, then hivemind's all-reduce alone (≈ 40 s)
+    python -m bench.wan --raw-link               # the links alone: libp2p streams, no SPES
 
 Every arm builds a fresh tests/netlab.py `NetLab` (network namespaces, `tc tbf` rate limits, an nftables home NAT),
 starts one `python -m dht_bootstrap` node (unlimited link; also the libp2p relay) and 4 `python -m peer.run`
 peers inside the namespaces, as tests/test_netns.py does, with `--set sync.wait_for_peers=4`, H = `--every`
-and `--steps` local steps. Arms:
+and `--steps` local steps. Every peer runs the contribution protocol with the config's codec (`sync.compression`,
+default sparse; `--set sync.compression=none` for uncompressed fp32 contributions). Arms:
 
 - `spes`: 4 public peers, each link 100 Mbit/s both ways; each peer owns a quarter of the experts
   (0-1, 2-3, 4-5, 6-7 of 8); `sync.overlap=false`, so a round's wall time is all on the clock.
 - `diloco`: the same links, every peer owns every expert (`--experts all`); `sync.overlap=false`.
 - `mixed`: 3 public 100 Mbit/s peers + 1 home peer behind the NAT at 20 Mbit/s down / 5 Mbit/s up (`--home-up-mbit`) with
-  `--use-auto-relay`; SPES, `sync.overlap=false`. With the defaults the home peer measures its uplink twice and
-  then follows (`sync.follow_below_mbit`, 20); `--set sync.follow_below_mbit=0` keeps it in the all-reduce.
+  `--use-auto-relay`; SPES, `sync.overlap=false`. The home peer contributes like every other peer: the others
+  fetch its blob through its 5 Mbit/s uplink (via the relay).
 - `spes_overlap`: as `spes` with the default `sync.overlap=true` (rounds run behind training), for blocked share.
 - `mixed_client`: as `mixed` with the home peer in `--client-mode` instead of `--use-auto-relay`.
-- `mixed_bw`: as `mixed`, the home peer telling its uplink (`--set network.upload_mbit=5`): no probe, it follows
-  from its first round (below the default `sync.follow_below_mbit`).
-- `mixed_follow`: as `mixed_bw` with `sync.follow_below_mbit=10` set explicitly (the default in issue 13
-  session 12; kept for older builds).
 - `slow`: as `spes_overlap`, with p3 limited to `SLOW_CORES` CPU cores by a cgroup (tests/swarmlab.py
   `CpuQuota`): a 3-4x slower machine. It is stopped when the fast peers finish; "steps" shows how far it got.
 
@@ -29,8 +26,12 @@ sums between the records where `rounds` advanced; `train.log_every=1`), the roun
 (the peer's "round N applied ... X.XXs (Y.YYs blocked)" log line), the ideal transfer time
 max(sent ÷ upload rate, received ÷ download rate) (= max(sent, received) ÷ link rate on a symmetric link), their
 ratio, and per peer the share of the run's wall time the training loop was blocked (the final "sync blocked the
-training loop X s of Y s" line). `--set KEY=VALUE` passes extra settings to every peer (e.g.
-sync.target_group_size=4); `--tables-only` re-prints --out/results.json. Results: markdown tables on stdout and in
+training loop X s of Y s" line). Per arm, over rounds 2+ that aggregated all 4 contributions on every peer: the
+median round and ratio, and per phase of the round line's breakdown ("[publish ..., contribute ..., gather ...,
+aggregate ..., apply ...]") its median seconds, its share of the round, and how much of its link the peer used
+meanwhile (hub-side byte counters every 50 ms); the time outside the named phases (with blocking rounds mostly
+the wait for the others' announcements) is its own row. `--set KEY=VALUE` passes extra settings to every peer (e.g.
+sync.compression=none); `--tables-only` re-prints --out/results.json. Results: markdown tables on stdout and in
 --out/{results.json,table.md}; progress on stderr. Run dirs and logs stay under --work-dir.
 """
 from __future__ import annotations
@@ -55,10 +56,10 @@ logger = get_logger(__name__)
 
 RUN_ID = "wan"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-# `bench`: configs/tiny.yaml raised until a SPES round moves ≈ 20-30 MB per peer (≈ 2-3 s at 100 Mbit/s); still
-# cheap steps, but a round's fixed costs (matchmaking, publish, apply, the wait for the last step) weigh more.
-# `issue`: the 24 M-parameter shape issue 13 measured its 1.7x round time on (4 layers, 16 experts top-2, expert
-# hidden 384): ≈ 60 MB per peer per round.
+# Payload sent + received per peer per round with 4 peers (3 blobs out, 3 in), from sync.sparse.encoded_size:
+# `bench`: configs/tiny.yaml raised, still cheap steps: ≈ 2.4 MB with the default sparse codec, ≈ 148 MB with
+# sync.compression=none. `issue`: the 24 M-parameter shape of issue 13 (4 layers, 16 experts top-2, expert hidden
+# 384): ≈ 3.7 MB sparse, ≈ 233 MB uncompressed.
 SHAPES: dict[str, dict[str, int]] = {
     "bench": {"model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 2, "model.num_experts": 8,
               "model.expert_hidden": 512, "model.seq_len": 64, "train.batch_size": 2},
@@ -69,7 +70,7 @@ SHAPE = dict(SHAPES["bench"])
 PUBLIC_MBIT = 100.0
 HOME_DOWN_MBIT, HOME_UP_MBIT = 20.0, 5.0
 QUARTERS = "quarters"  # each peer owns its own quarter of the experts (see _experts_of)
-# CPU cores (a cgroup quota) of the `slow` arm's p3, with its DHT/averager/p2pd; the others share 2 cores, about
+# CPU cores (a cgroup quota) of the `slow` arm's p3, with its DHT and p2pd; the others share 2 cores, about
 # 0.45 each (0.13 made it 6x slower; the table reports the measured ratio of steps).
 SLOW_CORES = 0.25
 ARMS: dict[str, dict[str, Any]] = {
@@ -77,10 +78,6 @@ ARMS: dict[str, dict[str, Any]] = {
     "diloco": {"experts": ["all"] * 4, "home": False, "overlap": False},
     "mixed": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False},
     "mixed_client": {"experts": QUARTERS, "home": "--client-mode", "overlap": False},
-    "mixed_follow": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False,
-                     "home_sets": [f"network.upload_mbit={HOME_UP_MBIT:g}", "sync.follow_below_mbit=10"]},
-    "mixed_bw": {"experts": QUARTERS, "home": "--use-auto-relay", "overlap": False,
-                 "home_sets": [f"network.upload_mbit={HOME_UP_MBIT:g}"]},
     "spes_overlap": {"experts": QUARTERS, "home": False, "overlap": True},
     "slow": {"experts": QUARTERS, "home": False, "overlap": True, "slow_cores": SLOW_CORES},
 }
@@ -156,7 +153,7 @@ def _metric_rounds(metrics_path: Path) -> dict[int, dict[str, int]]:
 
 
 def _timing(text: Optional[str]) -> dict[str, float]:
-    """The round line's "[publish 0.05s, group 1.20s, ...]" breakdown as {phase: seconds}."""
+    """The round line's "[publish 0.03s, contribute 0.24s, ...]" breakdown as {phase: seconds}."""
     return {k: float(v) for k, v in re.findall(r"([\w-]+) ([\d.]+)s", text or "")}
 
 
@@ -167,46 +164,43 @@ def _label(r: dict[str, Any]) -> str:
                      *([f"home↑{home:g}Mbit"] if home != HOME_UP_MBIT and r.get("home") else []), *r.get("sets", [])])
 
 
-def _arm_summary(r: dict[str, Any]) -> Optional[list[Any]]:
-    """Per arm, over rounds 2+ that all 4 peers completed in one group: the median ratio of all peers, of the
-    peer whose arrival completed the group (the shortest 'group' wait: from its start the round is pure
-    matchmaking + transfer), and the median seconds the others waited for that last arrival."""
+# Round s - the named phases: with blocking rounds mostly the wait for the others' announcements.
+OTHER = "outside the phases"
+
+
+def _full_rounds(r: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """An arm's rounds 2+ (round 1 holds the joins) that all 4 peers completed with all 4 contributions."""
     by_round: dict[int, list[dict[str, Any]]] = {}
     for p in r["peers"]:
         for rd in p["rounds"]:
             by_round.setdefault(rd["round"], []).append(rd)
-    all_ratios, last_ratios, last_group, skews, reduce_ratios, copy_ratios = [], [], [], [], [], []
-    both_ratios = []  # all-reduce + expert phase ÷ the round's link time (the phases overlap in some builds)
-    busy, use_reduce, use_copies = [], [], []
-    for rid, rds in sorted(by_round.items()):
-        if rid < 2 or len(rds) < 4 or any(rd["group"] < 4 or rd["ratio"] is None or "group" not in rd.get("timing", {})
-                                          for rd in rds):
-            continue
-        last = min(rds, key=lambda rd: rd["timing"]["group"])
-        all_ratios += [rd["ratio"] for rd in rds]
-        busy += [rd["cpu_busy"] for rd in rds if rd.get("cpu_busy") is not None]
-        use_reduce += [rd["link_use"]["all-reduce"] for rd in rds if "all-reduce" in rd.get("link_use", {})]
-        use_copies += [rd["link_use"]["experts"] for rd in rds if "experts" in rd.get("link_use", {})]
-        last_ratios.append(last["ratio"])
-        last_group.append(last["timing"]["group"])
-        skews += [rd["timing"]["group"] - last["timing"]["group"] for rd in rds if rd is not last]
-        for rd in rds:
-            ideal = rd.get("phase_ideal_s", {})
-            if ideal.get("shared") and "all-reduce" in rd["timing"]:
-                reduce_ratios.append(rd["timing"]["all-reduce"] / ideal["shared"])
-            if ideal.get("expert") and "experts" in rd["timing"]:
-                copy_ratios.append(rd["timing"]["experts"] / ideal["expert"])
-            if rd.get("ideal_s") and "all-reduce" in rd["timing"] and "experts" in rd["timing"]:
-                both_ratios.append((rd["timing"]["all-reduce"] + rd["timing"]["experts"]) / rd["ideal_s"])
-    if not last_ratios:
-        return None
+    return [rds for rid, rds in sorted(by_round.items())
+            if rid >= 2 and len(rds) == 4 and all(rd["group"] >= 4 and rd["ratio"] is not None for rd in rds)]
+
+
+def _arm_summary(r: dict[str, Any]) -> tuple[Optional[list[Any]], list[list[Any]]]:
+    """Per arm, over _full_rounds: (its row: rounds, median round s and ratio of all peers, CPU busy share;
+    one row per phase of the round line's breakdown, and OTHER: median s, median share of the round, median
+    share of the peer's link used meanwhile)."""
+    rounds = [rd for rds in _full_rounds(r) for rd in rds]
+    if not rounds:
+        return None, []
     med = statistics.median
-    return [_label(r), len(last_ratios), f"{med(all_ratios):.2f}",
-            f"{med(last_ratios):.2f}", f"{med(last_group):.2f}", f"{med(skews):.2f}",
-            f"{med(reduce_ratios):.2f}" if reduce_ratios else "-", f"{med(copy_ratios):.2f}" if copy_ratios else "-",
-            f"{med(both_ratios):.2f}" if both_ratios else "-",
-            f"{100 * med(busy):.0f}" if busy else "-",
-            f"{100 * med(use_reduce):.0f}" if use_reduce else "-", f"{100 * med(use_copies):.0f}" if use_copies else "-"]
+    busy = [rd["cpu_busy"] for rd in rounds if rd.get("cpu_busy") is not None]
+    row = [_label(r), len(rounds) // 4, f"{med(rd['seconds'] for rd in rounds):.2f}",
+           f"{med(rd['ratio'] for rd in rounds):.2f}", f"{100 * med(busy):.0f}" if busy else "-"]
+    phases = list(dict.fromkeys(k for rd in rounds for k in rd.get("timing", {})))
+    phase_rows = []
+    for phase in phases + [OTHER]:
+        if phase == OTHER:
+            took = [max(0.0, rd["seconds"] - sum(rd.get("timing", {}).values())) for rd in rounds]
+        else:
+            took = [rd["timing"].get(phase, 0.0) if "timing" in rd else 0.0 for rd in rounds]
+        shares = [t / rd["seconds"] for t, rd in zip(took, rounds) if rd["seconds"] > 0]
+        use = [rd["link_use"][phase] for rd in rounds if phase in rd.get("link_use", {})]
+        phase_rows.append([_label(r), phase, f"{med(took):.2f}", f"{100 * med(shares):.0f}" if shares else "-",
+                           f"{100 * med(use):.0f}" if use else "-"])
+    return row, phase_rows
 
 
 # Runs inside the hub namespace: every hub-side veth's byte counters every 50 ms. A hub-side device's rx is its
@@ -275,17 +269,19 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float,
         seconds, blocked = float(m.group(6)), float(m.group(7))
         # = max(sent, received) / rate on a symmetric link; per direction on an asymmetric one (the home peer)
         ideal = max(sent / up_bps, recv / down_bps) if sent is not None else None
-        # Each transfer phase against its own bytes' link time: the shared all-reduce, then the expert copies.
-        phase_ideal = {kind: max(moved.get(f"{kind}_sent", 0) / up_bps, moved.get(f"{kind}_received", 0) / down_bps)
-                       for kind in ("shared", "expert")}
         end = _line_time(log, m.start())
         cpu_busy = cpu.busy(end - seconds, end) if cpu is not None and end is not None else None
         timing = _timing(m.group(8))
-        # Link use per transfer phase: the round line's phases follow each other and end at the line's time.
+        # Link use per phase: the round line's phases follow each other and end at the line's time; the time
+        # outside them (OTHER) is taken as lying before the gather (where the announcement wait is).
         use: dict[str, float] = {}
         if links is not None and end is not None and timing:
-            t = end - sum(timing.values())
-            for phase, dur in timing.items():
+            spans = list(timing.items())
+            other = seconds - sum(timing.values())
+            if other > 0 and "gather" in timing:
+                spans.insert(list(timing).index("gather"), (OTHER, other))
+            t = end - sum(dur for _, dur in spans)
+            for phase, dur in spans:
                 u = links.utilization(name, t, t + dur, up_bps, down_bps) if dur >= 0.3 else None
                 if u is not None:
                     use[phase] = u
@@ -293,8 +289,7 @@ def _peer_result(name: str, proc, run_dir: Path, up: float, down: float,
         rounds.append({"round": rid, "step": int(m.group(2)), "group": int(m.group(3)), "cpu_busy": cpu_busy,
                        "experts_synced": int(m.group(4)), "missing": m.group(5), "sent": sent, "received": recv,
                        "seconds": seconds, "blocked_s": blocked, "ideal_s": ideal,
-                       "ratio": seconds / ideal if ideal else None, "timing": timing, "link_use": use,
-                       "phase_ideal_s": phase_ideal})
+                       "ratio": seconds / ideal if ideal else None, "timing": timing, "link_use": use})
     steps = [int(x) for x in STEP_RE.findall(log)]
     bm = BLOCKED_RE.search(log)
     blocked, wall = (float(bm.group(1)), float(bm.group(2))) if bm else (None, None)
@@ -346,13 +341,11 @@ def run_arm(arm: str, steps: int, every: int, timeout: float, work: Path,
                 argv += ["--set", s]
             if name == "home":
                 argv.append(spec["home"])
-                for extra in spec.get("home_sets", []):
-                    argv += ["--set", extra]
             procs[name] = lab.python(name, *argv, name=f"peer-{name}", env=env)
             if spec.get("slow_cores") and name == "p3":
                 from tests.swarmlab import CpuQuota
                 quota = CpuQuota(f"spes-wan-slow-{lab.lab_id}", slow_cores)
-                quota.add(procs[name].pid)  # before it forks its DHT and averager: they inherit the limit
+                quota.add(procs[name].pid)  # before it forks its DHT: it inherits the limit
         deadline = time.monotonic() + timeout
         cpu = CpuSampler()
         cpu.start()
@@ -412,18 +405,19 @@ def tables(results: list[dict[str, Any]]) -> str:
             "ideal s", "ratio", "blocked s"]
     shead = ["arm", "peer", "link Mbit/s", "steps", "rounds", "rounds in group of 4", "median ratio (rounds 2+)", "blocked s",
              "wall s", "blocked %", "blocked % w/o final drain"]
-    arms = [row for row in (_arm_summary(r) for r in results) if row]
-    ahead = ["arm", "rounds (2+, all 4 in one group)", "median ratio, all peers", "median ratio, last arrival",
-             "last arrival's group wait s", "others' wait for it s", "all-reduce phase ÷ its bytes' link time",
-             "expert phase ÷ its bytes' link time", "both phases ÷ the round's link time", "CPU busy during rounds %",
-             "link use in all-reduce %", "link use in expert phase %"]
+    summaries = [_arm_summary(r) for r in results]
+    arms = [row for row, _ in summaries if row]
+    phases = [row for _, rows in summaries for row in rows]
+    ahead = ["arm", "rounds (2+, all 4 contributions on every peer)", "median round s", "median ratio, all peers",
+             "CPU busy during rounds %"]
+    phead = ["arm", "phase", "median s", "median share of the round %", "median link use %"]
     r0 = results[0] if results else {"steps": "?", "every": "?"}
     shape = ", ".join(f"{k.split('.')[1]} {v}" for k, v in SHAPE.items())
     return (f"bench.wan: 4 peers, H = {r0['every']}, {r0['steps']} steps; shape tiny.yaml with {shape}\n\n"
             f"Per peer per round:\n\n{format_table(head, rows)}\n\nPer peer:\n\n{format_table(shead, summary)}\n"
-            + (f"\nPer arm (the last arrival's round is matchmaking + transfer only; the others' rounds also hold "
-               f"their wait for it):\n\n{format_table(ahead, arms)}\n" if arms else ""))
-
+            + (f"\nPer arm:\n\n{format_table(ahead, arms)}\n\nPer arm and phase of the round (the round line's "
+               f"breakdown; link use: the busier direction of the peer's link ÷ its rate):\n\n"
+               f"{format_table(phead, phases)}\n" if arms else ""))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.wan", description=__doc__.split("\n\n")[0])
@@ -432,19 +426,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=10, help="H: local steps between rounds")
     p.add_argument("--arm-timeout", type=float, default=240.0, help="seconds before an arm's peers are killed")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
-                   help="extra peer.run --set for every peer of every arm (e.g. sync.target_group_size=4)")
+                   help="extra peer.run --set for every peer of every arm (e.g. sync.compression=none)")
     p.add_argument("--slow-cores", type=float, default=SLOW_CORES,
                    help="CPU cores (cgroup quota) of the `slow` arm's p3")
     p.add_argument("--public-mbit", type=float, default=PUBLIC_MBIT,
                    help="public peers' link rate (symmetric): a slower link shows how much of a round's overhead "
                         "over link time is the link and how much the CPUs (4 peers share this machine's cores)")
     p.add_argument("--home-up-mbit", type=float, default=HOME_UP_MBIT,
-                   help="the home peer's uplink in the mixed arms (its downlink stays 20; mixed_bw and mixed_follow "
-                        "still declare 5)")
+                   help="the home peer's uplink in the mixed arms (its downlink stays 20)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="bench",
-                   help="model shape: bench (≈ 37 MB per peer per round) or issue (issue 13's 24 M-param shape)")
+                   help="model shape: bench (≈ 2.4 MB per peer per round with the sparse codec) or issue "
+                        "(issue 13's 24 M-param shape, ≈ 3.7 MB)")
     p.add_argument("--raw-link", action="store_true",
-                   help="only measure libp2p streams through the same links (no hivemind averaging, no SPES)")
+                   help="only measure libp2p streams through the same links (no SPES)")
     p.add_argument("--tables-only", action="store_true", help="re-print the tables of --out/results.json")
     p.add_argument("--out", default="bench/results/wan", help="where results.json and table.md go")
     p.add_argument("--work-dir", default="bench/out/wan", help="arm logs and run dirs")

@@ -1,11 +1,10 @@
 """The links alone (`python -m bench.wan --raw-link`): libp2p streams between 4 agents in the same network
-namespaces and `tc tbf` links as bench/wan.py's arms, then hivemind's all-reduce alone (bench/ar_agent.py).
-What a round's transfers could cost at best on these links, without SPES or training (bench/README.md)."""
+namespaces and `tc tbf` links as bench/wan.py's arms: one stream, then every peer pulling from the 3 others at
+once (a contribution round's pattern: each peer fetches every other peer's blob). What a round's transfers could
+cost at best on these links, without SPES or training (bench/README.md)."""
 from __future__ import annotations
 
-import json
 import os
-import statistics
 from pathlib import Path
 
 from bench.common import format_table
@@ -14,11 +13,10 @@ MB = 1e6
 
 
 def raw_link(public_mbit: float, nbytes: int = 20_000_000) -> str:
-    """The links alone, without hivemind's averaging or SPES: libp2p streams (tests/netlab_p2p.py agents) through
-    the same `tc tbf` links as the arms. Returns a table: one stream of `nbytes`, and an all-to-all exchange with
-    every stream at once (each peer receives nbytes from the 3 others and sends as much), in 1 or 2 streams per
-    pair, twice each, as seconds ÷ link time. (Until session 6 the agents answered their 3 pulls one at a time,
-    so "all-to-all" there had one stream into each link at a time.)"""
+    """The links alone, without SPES: libp2p streams (tests/netlab_p2p.py agents) through the same `tc tbf`
+    links as the arms. Returns a table: one stream of `nbytes`, and an all-to-all exchange with every stream at
+    once (each peer receives nbytes from the 3 others and sends as much), in 1 or 2 streams per pair, twice
+    each, as seconds ÷ link time."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.netlab import NetLab
@@ -40,8 +38,8 @@ def raw_link(public_mbit: float, nbytes: int = 20_000_000) -> str:
                  f"{one['seconds'] / (nbytes / rate):.2f}"]]
         if not one.get("ok"):
             raise RuntimeError(f"a raw transfer failed: {one}")
-        # Every peer pulls nbytes in all from the 3 others at once, in 1 stream per pair (3 in and 3 out per link)
-        # or 2 (6 and 6: the expert copies' pattern, one stream per owner and expert).
+        # Every peer pulls nbytes in all from the 3 others at once, in 1 stream per pair (3 in and 3 out per link:
+        # a contribution round, one blob per peer) or 2 (6 and 6).
         for per_pair in (1, 2, 1, 2):
             part = nbytes // (3 * per_pair)
             with ThreadPoolExecutor(len(names)) as pool:
@@ -56,48 +54,6 @@ def raw_link(public_mbit: float, nbytes: int = 20_000_000) -> str:
                          f"{3 * per_pair * part / rate:.2f}", f"{slowest / (3 * per_pair * part / rate):.2f}"])
         for agent in agents.values():
             agent.request("quit", 10)
-        rows += _allreduce_alone(lab, names, rate, nbytes)
-        rows += _allreduce_alone(lab, names, rate, nbytes, aggregation="centered_clip")
     return (f"bench.wan --raw-link: libp2p streams through {public_mbit:g} Mbit/s tbf links\n\n"
             + format_table(["transfer", "MB", "seconds", "link time s", "ratio"], rows) + "\n")
 
-
-def _allreduce_alone(lab, names: list[str], rate: float, nbytes: int, rounds: int = 4,
-                     aggregation: str = "") -> list[list[str]]:
-    """hivemind's all-reduce alone on the same links (bench/ar_agent.py: one DHT + DecentralizedAverager per
-    namespace, no training, all four asked to start at the same DHT time), over a vector whose all-reduce moves
-    `nbytes` into and out of each peer (2 x 3/4 of the vector each way in a group of 4). Rows: each round from
-    the first peer's all-reduce start to the last one's end, and the median peer's own all-reduce time.
-    `aggregation`: reduce with sync.robust's rule as SPES peers do (default: hivemind's weighted mean)."""
-    numel = nbytes // 6  # float32: each peer sends 3/4 of 4 * numel bytes of inputs and as much of results
-    agents = {}
-    for name in names:
-        peers = agents[names[0]].ready["maddrs"] if agents else []
-        agents[name] = lab.python(name, "-m", "bench.ar_agent", "--host", lab._node(name).ip, "--numel",
-                                  str(numel), "--initial-peers", json.dumps(peers), "--aggregation", aggregation,
-                                  stdin=True)
-        agents[name].ready = json.loads(agents[name].expect(r'^\{"re": "ready"', 60).string)
-    from concurrent.futures import ThreadPoolExecutor
-    from hivemind.utils.timed_storage import get_dht_time
-
-    what = "hivemind all-reduce alone" + (f", {aggregation}" if aggregation else "")
-    rows, per_peer = [], []
-    for i in range(rounds):
-        at = get_dht_time() + 3.0
-        with ThreadPoolExecutor(len(names)) as pool:
-            replies = list(pool.map(lambda a: agents[a].request("step", 120, at=at, timeout=60), names))
-        if not all(r.get("ok") and r.get("group") == len(names) for r in replies):
-            rows.append([f"{what}, round {i + 1}", "-", "failed", "-", str(replies)[:80]])
-            continue
-        seconds = max(r["done"] for r in replies) - min(r["grouped"] for r in replies)
-        per_peer += [r["done"] - r["grouped"] for r in replies]
-        label = "first start to last end" + (" (warm-up, dials)" if i == 0 else "")
-        rows.append([f"{what}, round {i + 1}: {label}", f"{nbytes / MB:.1f} in + out per peer",
-                     f"{seconds:.2f}", f"{nbytes / rate:.2f}", f"{seconds / (nbytes / rate):.2f}"])
-    for agent in agents.values():
-        agent.request("quit", 30)
-    if per_peer:
-        median = statistics.median(per_peer)
-        rows.append([f"{what}, median peer's own (all rounds)", f"{nbytes / MB:.1f}",
-                     f"{median:.2f}", f"{nbytes / rate:.2f}", f"{median / (nbytes / rate):.2f}"])
-    return rows

@@ -134,10 +134,6 @@ class NetworkConfig:
     join_timeout_s: float = 20.0
     """How long to keep trying the initial peers at start before exiting with "cannot reach any initial peer": a
     home line's first connection can fail, a bootstrap node may be restarting (0 = one attempt)."""
-    upload_mbit: float = 0.0
-    """This peer's upload bandwidth in Mbit/s, if known (0 = unknown: measured once other peers are seen, see
-    sync.slow_uplink_mbit). hivemind's all-reduce gives each peer a part of the tensors to reduce in proportion to
-    it, so a 5 Mbit/s home uplink reduces a small part and does not hold a group of 100 Mbit/s peers to its pace."""
 
 
 @dataclass
@@ -169,8 +165,6 @@ class RunConfig:
         if not 0 <= self.network.join_timeout_s <= 3600:
             raise ConfigError(f"network.join_timeout_s must be in [0, 3600] (0 = one attempt), "
                               f"got {self.network.join_timeout_s}")
-        if not 0 <= self.network.upload_mbit < 1e6:
-            raise ConfigError(f"network.upload_mbit must be >= 0 (0 = unknown), got {self.network.upload_mbit}")
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.run_id

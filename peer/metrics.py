@@ -63,8 +63,8 @@ class PeerMetrics:
         self.round_seconds = Histogram("spes_sync_round_seconds", "Wall time of each sync round, start to apply",
                                        buckets=ROUND_BUCKETS, registry=r)
         self.blocked = Counter("spes_sync_blocked_seconds", "Time the training loop waited on sync", registry=r)
-        wire = "tensor payload bytes on the wire after compression (all-reduce parts and deltas, expert transfers, " \
-               "state downloads), by kind"
+        wire = "tensor payload bytes on the wire after compression (contributions, state downloads), " \
+               "by kind"
         self.bytes_sent = Counter("spes_sync_bytes_sent", f"Sent {wire}", ["kind"], registry=r)
         self.bytes_received = Counter("spes_sync_bytes_received", f"Received {wire}", ["kind"], registry=r)
         self.owned_experts = Gauge("spes_owned_experts", "Number of experts this peer owns", registry=r)
@@ -76,7 +76,8 @@ class PeerMetrics:
                                  "or with sync off)", registry=r)
         self.rejected = Counter("spes_rejected_tensors", "Received tensors refused by validation, by reason",
                                 ["reason"], registry=r)
-        self.alone_rounds = Gauge("spes_sync_alone_rounds", "Sync rounds in a row this peer averaged with nobody "
+        self.alone_rounds = Gauge("spes_sync_alone_rounds", "Sync rounds in a row this peer aggregated no other "
+                                  "peer's contribution "
                                   "while other peers were in the run", registry=r)
         self.rollbacks = Counter("spes_sync_rollbacks", "Applied rounds rolled back after a non-finite loss",
                                  registry=r)

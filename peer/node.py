@@ -36,7 +36,7 @@ logger = get_logger(__name__)
 
 def round_token_cap(cfg: RunConfig) -> int:
     """The most tokens one peer can train between two rounds at the run's batch settings: the cap on any peer's
-    all-reduce weight (a claimed weight of 1e9 counts as this much, issue 9). Sequences are seq_len + 1 tokens
+    contribution weight (a claimed weight of 1e9 counts as this much, issue 9). Sequences are seq_len + 1 tokens
     long for next-token targets, so seq_len tokens per sequence is an upper bound of what a step trains. A peer
     of K torchrun processes trains K batches per step (peer/ranks.py): up to `sync.max_peer_processes` of them
     count, the same cap at every peer."""
@@ -83,7 +83,6 @@ class PeerNode:
         self.blocked_seconds = 0.0
         self._started = time.perf_counter()
         self._tokens_at_round, self._step_at_round = 0, 0
-        self._tokens_at_shared, self._step_at_shared = 0, 0  # the last full or shared-only round (sync/between.py)
         data_seed = None
         # Shared memory, created before the DHT and averager processes fork: they count refusals into it too.
         self.rejects = RejectCounter()
@@ -107,8 +106,7 @@ class PeerNode:
                     from sync.admission import Gate
                     gate = Gate(self.swarm.dht, self.admission)
                 self.sync = SparseSync(self.trainer.model, self.swarm, cfg.sync, rejects=self.rejects,
-                                       max_weight=round_token_cap(cfg), gate=gate,
-                                       bandwidth=cfg.network.upload_mbit or None)
+                                       max_weight=round_token_cap(cfg), gate=gate)
                 # Before join: a restarted peer's round id and caretaking are restored, then published.
                 if self.trainer.add_callback(SyncCallback(self)):
                     logger.info(f"[{self.trainer.log_prefix}] sync state restored: round {self.sync.round_id}, "
@@ -132,7 +130,6 @@ class PeerNode:
                     else:
                         logger.info(f"[{self.trainer.log_prefix}] {seen} peers in the run: starting")
                 self._tokens_at_round, self._step_at_round = self.trainer.tokens, self.trainer.step
-                self._tokens_at_shared, self._step_at_shared = self.trainer.tokens, self.trainer.step
             if self.metrics is not None:
                 # After the sync callback, so a round applied at this step is already counted.
                 self.trainer.add_callback(MetricsCallback(self))
@@ -181,7 +178,7 @@ class PeerNode:
                         client_mode=mode.client_mode, join_timeout=cfg.network.join_timeout_s)
         ticket = getattr(self.admission, "own_ticket", None) or b""
         swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
-                      admission=self.admission, initial_peers=initial_peers, averages_as_client=mode.client_mode)
+                      admission=self.admission, initial_peers=initial_peers)
         if swarm.live_elsewhere():
             swarm.shutdown(withdraw=False)  # the record is the other process's: leave it alone
             raise SwarmError(f"peer ID {swarm.peer_id} is already live in run {cfg.run_id}: another process "
@@ -232,28 +229,20 @@ class PeerNode:
             # sync.max_peer_processes, a peer that ran far past a due round), not refused as an outlier there.
             since = min(trainer.tokens - self._tokens_at_round, round_token_cap(self.cfg))
             self._tokens_at_round = trainer.tokens
-            self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
             self._log_round(self.sync.start_round(trainer.step, trainer.tokens, since), trainer)
             if not self.cfg.sync.overlap:
                 if trainer.step >= self.cfg.train.max_steps:
-                    # The run's last round: as `_finish` drains one, it stops looking for a group once the others
-                    # are gone (or after the grace), not after round_timeout (90 s at the end of a 2-peer run).
                     self._log_round(self.sync.drain(self.cfg.sync.matchmaking_time + 5.0), trainer)
                 else:
                     self._log_round(self.sync.finish_round(block=True), trainer)
                 if self.sync.handed_over:
                     self._load_handed_over()
-        elif self.sync.shared_round_due(trainer.step - self._step_at_shared):
-            since = trainer.tokens - self._tokens_at_shared
-            self._tokens_at_shared, self._step_at_shared = trainer.tokens, trainer.step
-            self.sync.shared_round(trainer.step, since)
         # Step time, and when its next round is due (sync/schedule.py).
         self.sync.note_step(trainer.step - self._step_at_round, steps_left=self.cfg.train.max_steps - trainer.step)
         self.blocked_seconds += time.perf_counter() - start
 
     def _finish(self, trainer: Trainer) -> None:
         start = time.perf_counter()
-        # The last round gets matchmaking_time + 5 s to find its group (peers that finished first are gone).
         self._log_round(self.sync.drain(self.cfg.sync.matchmaking_time + 5.0), trainer)
         self.blocked_seconds += time.perf_counter() - start
         wall = time.perf_counter() - self._started
@@ -266,10 +255,9 @@ class PeerNode:
         return {"bytes_sent": self.sync.bytes_sent(), "bytes_received": self.sync.bytes_received(),
                 "blocked_s": self.blocked_seconds, "rejected": self.sync.rejects.counts(),
                 "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone,
-                "deferred_rounds": self.sync.deferred_rounds, "held_steps": self.sync.held_steps,
+                "held_steps": self.sync.held_steps,
                 "relay_reservations": self.relay_keeper.held_count() if self.relay_keeper is not None else 0,
-                **({"divergent_rounds": self.sync.divergent_rounds, "synced_digest": self.sync.synced_digest}
-                   if self.sync.contributing else {})}
+                "divergent_rounds": self.sync.divergent_rounds, "synced_digest": self.sync.synced_digest}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""

@@ -239,7 +239,7 @@ class Admission:
 
     Every check takes anything (DHT values are written by strangers) and answers False / None for garbage; it
     never raises. Signature checks are memoized (bounded), so re-reading the same records costs no crypto.
-    No locks or threads: it is forked with the averager processes.
+    No locks or threads: plain data, usable from any process.
     """
 
     def __init__(self, organizer_public_key: bytes, run_id: str, own_ticket: bytes | None = None):
@@ -402,7 +402,7 @@ class Gate:
     read). A failed read keeps the previous snapshot (none yet: nobody is admitted) until the next try, `refresh`
     seconds later. Ticket expiry is re-checked on every answer. `admits` never raises.
 
-    Works on any asyncio loop of any process: it is forked with the averagers, so its only state is plain data
+    Works on any asyncio loop of any process: its only state is plain data
     (the in-flight read is remembered per process and loop, created lazily).
     """
 

@@ -1,11 +1,11 @@
 """Applying a finished round to the live model, for `sync.rounds.SparseSync` (kept in its own file).
 
 `Applying` is a mixin: it uses the round's state (`model`, `shared`, `cfg`, the last synchronized experts
-`_expert_synced`, the replica averager `_expert_avg`). Results are applied as deltas against the round's
+`_expert_synced`). Results are applied as deltas against the round's
 snapshots ("live += result - snapshot", so what was trained during the round is kept); the state before each
 applied round is kept so that a non-finite loss right after it rolls back (docs/DESIGN.md, "Hostile peers").
 After a round, ownership follows the records it read (adopt orphans, give adopted experts back: sync.ownership),
-and a peer that keeps averaging with nobody says so.
+and a peer that keeps aggregating alone says so.
 """
 from __future__ import annotations
 
@@ -78,16 +78,6 @@ class Applying:
         """The training loop finished a step with a finite loss after the last apply: the round is kept."""
         self._pre_apply = None
 
-    def _synced_owned(self, means: dict[int, Snapshot], own: dict[int, Snapshot], all_reduced: bool) -> dict[int, Snapshot]:
-        """This round's synchronized (pre-merge) value of each expert this peer owns."""
-        synced = {e: means.get(e, snapshot) for e, snapshot in own.items()}
-        if all_reduced and self._expert_avg is not None:
-            # The replicas' all-reduce result as apply() accepted it (refused tensors: this peer's snapshot).
-            names = self.model.expert_tensor_names()
-            values = iter(self._expert_avg.synced)
-            synced = {e: {name: next(values).clone() for name in names} for e in self._expert_avg_key}
-        return synced
-
     @torch.no_grad()
     def _merge(self, synced_owned: dict[int, Snapshot], alpha: float) -> None:
         """Warm-up merge of the owned experts from this round's synchronized snapshot of every expert."""
@@ -110,12 +100,12 @@ class Applying:
             self.model.load_expert_tensors(expert, mean)
 
     def _track_alone(self, report: "RoundReport") -> None:
-        """A warning (and spes_sync_alone_rounds) when this peer keeps averaging with nobody while others exist:
-        e.g. every group it finds is refused, or its records cannot be read (issue 9, "Visibility")."""
-        if report.peers_seen > 1 and report.group_size <= 1 and not self.follows_now:
+        """A warning (and spes_sync_alone_rounds) when this peer keeps aggregating alone while others exist:
+        e.g. every contribution it fetches is refused, or its records cannot be read (issue 9, "Visibility")."""
+        if report.peers_seen > 1 and report.group_size <= 1:
             self.rounds_alone += 1
             if self.rounds_alone % self.cfg.alone_warn_rounds == 0:
-                logger.warning(f"averaged with nobody for {self.rounds_alone} rounds in a row although "
+                logger.warning(f"aggregated no other peer's contribution for {self.rounds_alone} rounds in a row although "
                                f"{report.peers_seen - 1} other peer(s) are in the run")
         else:
             self.rounds_alone = 0
@@ -147,14 +137,12 @@ class Applying:
         self.model.set_owned_experts(owned)
         for expert in back:
             self._expert_synced.pop(expert, None)
-            if getattr(self, "contributing", False) and given[expert] is not None:
+            if given[expert] is not None:
                 # A non-owner holds the synchronized value, as every other peer does (sync/contributions.py);
                 # what it trained since goes to nobody (its owner's change counts).
                 self.model.load_expert_tensors(expert, given[expert])
         for expert in adopt:  # its last synchronized value is what this peer holds of it now
-            self._expert_synced[expert] = {k: (self._canonical(v) if getattr(self, "contributing", False)
-                                               else v.detach().float().cpu().clone())
-                                           for k, v in self.model.expert_tensors(expert).items()}
+            self._expert_synced[expert] = {k: self._canonical(v) for k, v in self.model.expert_tensors(expert).items()}
         self.swarm.publish(experts=owned, caretaking=self.ownership.caretaking)
         return adopt, back
 

@@ -70,20 +70,6 @@ def extract_quantized(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     return codebook.to(_FLOAT_DTYPES[serialized.dtype])[indices.long()].reshape(shape)
 
 
-def patch_hivemind_8bit_decoder() -> None:
-    """Make hivemind's own 8-bit decoder (used inside averagers) work on numpy 2; idempotent.
-
-    Call before starting a DecentralizedAverager with an 8-bit codec: averagers are forked processes and
-    inherit the patched class.
-    """
-    from hivemind.compression.quantization import Quantization
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return extract_quantized(serialized_tensor).requires_grad_(serialized_tensor.requires_grad)
-
-    Quantization.extract = extract  # BlockwiseQuantization keeps its own extract (bitsandbytes format)
-
-
 def deserialize_parts(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
     """Reassemble one streamed tensor and decode it; any inconsistency raises MalformedResponse."""
     head = parts[0]
@@ -109,14 +95,13 @@ def deserialize_parts(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
 
 # ASCII digits only ("\d" would accept other scripts' digits); the length bound keeps int() cheap. An optional
 # "m" asks for the owner's optimizer moments of the expert instead of its values (handoff, sync/fetch.py); "s0"
-# for a round's shared all-reduce result (a follower's download, sync/following.py).
+# for a round's synchronized shared values (a joiner's or a repairing peer's download, sync/fetch.py).
 _UID_RE = re.compile(r"([ms]?)([0-9]{1,9})@([0-9]{1,18})")
 _MAX_NAMES, _MAX_NAME_LEN = 100_000, 1_000
 _MAX_REQUEST_METADATA = 256
-_DIGEST_BYTES, _MAX_PEER_ID_BYTES = 32, 128
 
 
-# The store key of a round's shared all-reduce result, served to followers as `"s0@{round}"` (sync/following.py).
+# The store key of a round's synchronized shared values, served as `"s0@{round}"` (sync/contributions.py).
 SHARED_KEY = -1
 
 
@@ -137,26 +122,25 @@ def parse_uid(uid: str) -> tuple[bool, int, int] | None:
     return match.group(1) == "m", expert, int(match.group(3))
 
 
-def parse_request_metadata(raw: bytes) -> tuple[bool, int | None, bool, bool]:
-    """(well-formed, min_round, bf16, via) of a request's optional metadata. bf16: the fetcher stores the copy in
-    bfloat16, so more precision than that would be bytes it throws away; via: it may be sent to another peer that
-    holds the same bf16 copy (sync/copies.py). Both are sync/transfer.py's."""
+def parse_request_metadata(raw: bytes) -> tuple[bool, int | None, bool]:
+    """(well-formed, min_round, bf16) of a request's optional metadata (sync/transfer.py). bf16: the fetcher stores
+    the copy in bfloat16, so more precision than that would be bytes it throws away. Unknown keys are ignored."""
     if not raw:
-        return True, None, False, False
+        return True, None, False
     if len(raw) > _MAX_REQUEST_METADATA:
-        return False, None, False, False
+        return False, None, False
     try:
         meta = MSGPackSerializer.loads(raw)
     except Exception:
-        return False, None, False, False
+        return False, None, False
     if not isinstance(meta, dict):
-        return False, None, False, False
-    min_round, bf16, via = meta.get("min_round"), meta.get("bf16", False), meta.get("via", False)
+        return False, None, False
+    min_round, bf16 = meta.get("min_round"), meta.get("bf16", False)
     if min_round is not None and (isinstance(min_round, bool) or not isinstance(min_round, int) or min_round < 0):
-        return False, None, False, False
-    if not isinstance(bf16, bool) or not isinstance(via, bool):
-        return False, None, False, False
-    return True, min_round, bf16, via
+        return False, None, False
+    if not isinstance(bf16, bool):
+        return False, None, False
+    return True, min_round, bf16
 
 
 def parse_metadata(raw: bytes) -> dict:
@@ -179,14 +163,4 @@ def parse_metadata(raw: bytes) -> dict:
         raise MalformedResponse("metadata names are not a list of distinct strings")
     if not isinstance(round_id, int) or isinstance(round_id, bool):
         raise MalformedResponse("metadata round is not an int")
-    # Copies passed on (sync/copies.py): the owner's digest of the bf16 bytes, leave to pass them on, or the
-    # holder to ask instead (a peer ID's bytes; whether it parses is the fetcher's check).
-    digest, relay, redirect = meta.get("digest"), meta.get("relay", False), meta.get("redirect")
-    if digest is not None and (not isinstance(digest, bytes) or len(digest) != _DIGEST_BYTES):
-        raise MalformedResponse("metadata digest is not 32 bytes")
-    if not isinstance(relay, bool):
-        raise MalformedResponse("metadata relay is not a bool")
-    if redirect is not None and (not isinstance(redirect, bytes) or not 0 < len(redirect) <= _MAX_PEER_ID_BYTES
-                                 or digest is None):
-        raise MalformedResponse("metadata redirect is not a peer ID with a digest")
     return meta

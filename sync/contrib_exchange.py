@@ -40,6 +40,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.logging import get_logger
 
+from sync.hivemind_private import handle_name, listen_maddr
+
 logger = get_logger(__name__)
 
 PART_BYTES = 2**20  # payload per response message
@@ -96,13 +98,13 @@ class ContributionExchange:
         self._closed = False
         self._p2p: P2P | None = None
         self._servicer = _ContributionServicer(self)
-        self._handle = _ContributionServicer._get_handle_name(namespace, "rpc_get_contribution")
+        self._handle = handle_name(_ContributionServicer, namespace, "rpc_get_contribution")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"contrib-{namespace}", daemon=True)
         self._thread.start()
         try:
             # A private replica (as sync/transfer.py): bound to this loop, and our shutdown closes only it.
-            maddr = dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+            maddr = listen_maddr(dht)
             asyncio.run_coroutine_threadsafe(self._astart(maddr), self._loop).result(timeout=30)
         except BaseException:
             self.shutdown()

@@ -1,5 +1,4 @@
-"""Rounds as signed, compressed contributions (`sync.protocol: contributions`; docs/DESIGN.md, "Rounds as
-contributions"), the SparseSync side.
+"""Rounds as signed, compressed contributions (docs/DESIGN.md, "Rounds as contributions"), the SparseSync side.
 
 A round, for each peer, with no group and no reducer:
 1. contribute (round thread): its change since the last synchronized values, per shared tensor and per expert
@@ -60,16 +59,12 @@ METHOD_OF = {"none": "fp32", "fp16": "fp16", "8bit": "8bit", "sparse": "sparse"}
 
 
 class Contributions(Repair):
-    """Mixin of SparseSync (sync/rounds.py): the contribution protocol's round. Uses `model`, `swarm`, `cfg`,
-    `shared` (its `params`, `snapshot`, `synced`, `momentum` and its averager's state-sharing tensors),
-    `_expert_synced`, `rejects`, `max_weight`, `gate`, `round_id`."""
+    """Mixin of SparseSync (sync/rounds.py): the contribution round. Uses `model`, `swarm`, `cfg`, `shared`
+    (sync/shared_tensors.py: `params`, `snapshot`, `synced`, `momentum`), `exchange`, `_expert_synced`,
+    `rejects`, `max_weight`, `gate`, `round_id`."""
 
     def _init_contributions(self) -> None:
-        self.contributing = self.cfg.protocol == "contributions"
         self._init_repair()
-        self.contrib_exchange: ContributionExchange | None = None
-        if not self.contributing:
-            return
         self.exchange.synced_provider = self._serve_synced
         sp = self.cfg.sparse
         self._spec = SparseSpec(method=METHOD_OF[self.cfg.compression], chunk=sp.chunk, topk=sp.topk, bits=sp.bits)
@@ -190,6 +185,8 @@ class Contributions(Repair):
             try:
                 decoded[peer_id] = decode(blob, shapes, max_bytes=ann.size)
                 weights[peer_id] = float(ann.weight)
+                if ann.weight > self.max_weight * 1.01:  # counted as one round's worth (sync.aggregate.capped_weights)
+                    self.rejects.add("weight")
                 self._delivered(peer_id)
             except CodecError as e:
                 self.rejects.add("malformed")
@@ -269,7 +266,7 @@ class Contributions(Repair):
             # A peer that never delivered a contribution and missed once (a record with nothing behind it) is
             # not waited for again: it costs one wait, not one every few rounds.
             waiting = {p: r for p, r in others.items() if p not in announced and r.round <= self.round_id
-                       and not r.follows and not self._skipped(p)
+                       and not self._skipped(p)
                        and not (self._misses.get(p) and p not in self._delivered_ever)}
             now, dht_now = time.monotonic(), get_dht_time()
             until = base
@@ -429,19 +426,33 @@ class Contributions(Repair):
     def contribution_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
         """(sent, received) payload bytes of contribution blobs so far, by kind ("shared", "expert"): a blob holds
         both, so its bytes are split by the share of expert elements in it (sent: this peer's newest blob's)."""
-        if self.contrib_exchange is None:
-            return {"shared": 0, "expert": 0}, {"shared": 0, "expert": 0}
         sent = self.contrib_exchange.bytes_sent()
         expert = int(sent * self._expert_share)
         return ({"shared": sent - expert, "expert": expert},
                 {k: int(v) for k, v in self._received.items()})
+
+    def bytes_sent(self) -> dict[str, int]:
+        """Tensor payload bytes (after compression) this peer sent so far, by kind ("shared", "expert"):
+        contribution blobs and state served to joiners."""
+        blobs = self.contribution_bytes()[0]
+        return {kind: self.exchange.bytes_sent.get(kind, 0) + blobs[kind] for kind in ("shared", "expert")}
+
+    def bytes_received(self) -> dict[str, int]:
+        """Tensor payload bytes (after compression) this peer received so far, by kind ("shared", "expert")."""
+        blobs = self.contribution_bytes()[1]
+        return {kind: self.exchange.bytes_received.get(kind, 0) + blobs[kind] for kind in ("shared", "expert")}
+
+    def bytes_on_wire(self) -> dict[str, int]:
+        """Tensor payload bytes this peer sent + received so far, by kind ("shared", "expert")."""
+        sent, received = self.bytes_sent(), self.bytes_received()
+        return {kind: sent[kind] + received[kind] for kind in sent}
 
     def _linger_for_last_contribution(self) -> None:
         """A peer that finished its run keeps serving its last contribution (and its record) until every other
         live peer still at that round or before got it, at most matchmaking_time + 10 s (within round_timeout):
         peers finishing the same round a moment later otherwise read a tombstone, leave it out and end the run
         with other synchronized tensors than the rest (bench.convergence's smoke run, under load)."""
-        if self.contrib_exchange is None or self._own_blob is None:
+        if self._own_blob is None:
             return
         last = self._own_blob[0]
         deadline = time.monotonic() + min(self.cfg.round_timeout, self.cfg.matchmaking_time + 10.0)
@@ -455,5 +466,4 @@ class Contributions(Repair):
         logger.info(f"stopped serving round {last}'s contribution: {len(waiting)} peer(s) did not fetch it in time")
 
     def _shutdown_contributions(self) -> None:
-        if self.contrib_exchange is not None:
-            self.contrib_exchange.shutdown()
+        self.contrib_exchange.shutdown()

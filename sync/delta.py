@@ -3,7 +3,7 @@
 A round works on snapshots taken at its start; by the time its result arrives, the live tensors have moved on
 by whatever this peer trained since. The result replaces the snapshot, not the live value:
 `new = live + (result - snapshot)`, so the local progress made during the round is kept (the one-round-delayed
-update of docs/DESIGN.md, "A round"). The shared all-reduce, a follower's download and the experts all use it.
+update of docs/DESIGN.md, "A round"). The shared tensors and the experts both use it.
 """
 from __future__ import annotations
 

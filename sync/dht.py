@@ -80,17 +80,15 @@ def start_dht(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("
 
     Behind NAT (sync.reach): `use_auto_relay` reserves slots on the initial peers as circuit relays and
     announces `<initial peer>/p2p-circuit` and makes its hivemind DHT a client; `client_mode` makes the DHT a
-    hivemind client (it only makes requests) and its p2pd's kad-DHT too (the averagers' client mode is
-    `Swarm.averages_as_client`)."""
+    hivemind client (it only makes requests) and its p2pd's kad-DHT too."""
     options: dict[str, Any] = {}
     if use_auto_relay:
         options = relay_client_options(initial_peers, announce_maddrs)
         announce_maddrs = options.pop("announce_maddrs")
         # Its hivemind DHT answers no requests and stays out of others' routing tables (as go-libp2p's own kad-DHT
         # does on a private node): nobody could dial it except over its own connections or a relay, and a DHT
-        # reply queued behind its bulk uploads on a slow home uplink held every public peer's record reads and
-        # matchmaking (bench.wan `mixed`: 2-6 s group waits, 0.2-0.4 s with it a client; docs/DESIGN.md). Its
-        # p2pd keeps the libp2p DHT's server mode it had, and its averagers stay servers (Swarm.averages_as_client).
+        # reply queued behind its bulk uploads on a slow home uplink would hold every public peer's record reads.
+        # Its p2pd keeps the libp2p DHT's server mode it had.
         options["client_mode"], options["dht_mode"] = True, "server"
     if client_mode:
         options["client_mode"] = True

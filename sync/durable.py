@@ -53,7 +53,6 @@ class Durable:
         """(tensors, JSON metadata) for the trainer's checkpoint."""
         ownership = self.ownership
         meta = {"round": int(self.round_id), "rollbacks": int(self.rollbacks),
-                "deferred_rounds": int(self.deferred_rounds),
                 "caretaking": {str(e): sorted(p) for e, p in ownership.adopted_from.items()},
                 "last_owners": {str(e): sorted(p) for e, p in ownership._last_owners.items()},
                 "finished_experts": sorted(self.swarm.finished_experts()),
@@ -63,17 +62,16 @@ class Durable:
             for i, (anchor, momentum) in enumerate(zip(self.shared.anchor, self.shared.momentum)):
                 tensors[f"shared.anchor.{i}"] = anchor
                 tensors[f"shared.momentum.{i}"] = momentum
-        if getattr(self, "contributing", False):
-            # Contributions: the synchronized shared values a change is measured from, and the error feedback
-            # (what compression has not sent yet); without them a restart drops both.
-            meta["contrib"] = True
-            for i, synced in enumerate(self.shared.synced):
-                tensors[f"contrib.synced.{i}"] = synced
-            for name, ef in self._ef.items():
-                tensors[f"contrib.ef.{name}"] = ef
-            for expert, synced in self._expert_synced.items():
-                for name, value in synced.items():
-                    tensors[f"contrib.expert.{expert}/{name}"] = value
+        # The synchronized shared values a change is measured from, and the error feedback (what compression has
+        # not sent yet); without them a restart drops both.
+        meta["contrib"] = True
+        for i, synced in enumerate(self.shared.synced):
+            tensors[f"contrib.synced.{i}"] = synced
+        for name, ef in self._ef.items():
+            tensors[f"contrib.ef.{name}"] = ef
+        for expert, synced in self._expert_synced.items():
+            for name, value in synced.items():
+                tensors[f"contrib.expert.{expert}/{name}"] = value
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -83,7 +81,7 @@ class Durable:
         round_id = meta["round"]
         if not isinstance(round_id, int) or not 0 <= round_id < _MAX_ROUND:
             raise ValueError(f"round {round_id!r} is not a round number")
-        counters = {k: meta.get(k, 0) for k in ("rollbacks", "deferred_rounds")}
+        counters = {k: meta.get(k, 0) for k in ("rollbacks",)}
         if not all(isinstance(v, int) and 0 <= v < _MAX_ROUND for v in counters.values()):
             raise ValueError(f"bad counters {counters}")
         caretaking = _experts_to_peers(meta.get("caretaking", {}), num_experts, "caretaking")
@@ -96,13 +94,13 @@ class Durable:
         contrib = self._checked_contrib(tensors) if meta.get("contrib") is True else None
 
         self.round_id = max(self.round_id, round_id)
-        if contrib is not None and getattr(self, "contributing", False):
+        if contrib is not None:
             for dst, src in zip(self.shared.synced, contrib[0]):
                 dst.copy_(src)
             self._ef = contrib[1]
             self._expert_synced.update(contrib[2])
             self._serve_synced_state()
-        self.rollbacks, self.deferred_rounds = counters["rollbacks"], counters["deferred_rounds"]
+        self.rollbacks = counters["rollbacks"]
         # Caretaking only of experts it still owns (the checkpoint's ownership was restored with the model).
         self.ownership.adopted_from = {e: p for e, p in caretaking.items() if e in self.model.owned_experts}
         self.ownership._last_owners = last_owners
@@ -120,8 +118,7 @@ class Durable:
         for value, param in zip(synced, self.shared.params):
             if value.shape != param.shape or not bool(torch.isfinite(value).all()):
                 raise ValueError("checkpointed synchronized shared tensors do not fit this model")
-        shapes = self._expected_shapes(tuple(sorted(self.model.owned_experts))) if getattr(self, "contributing",
-                                                                                           False) else {}
+        shapes = self._expected_shapes(tuple(sorted(self.model.owned_experts)))
         ef = {}
         for key, value in tensors.items():
             name = key[len("contrib.ef."):]

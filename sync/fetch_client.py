@@ -1,10 +1,12 @@
-"""The fetching side of the expert exchange (sync/transfer.py; docs/DESIGN.md, "A round", "Copies passed on").
+"""The fetching side of the expert exchange (sync/transfer.py; docs/DESIGN.md, "Joining and state downloads").
 
 A mixin of `sync.transfer.ExpertExchange`, in its own file to keep that one readable: it uses the exchange's
-event loop, P2P replica, servicer stub, codec executor and byte counters. A fetch asks one peer for one expert
-(or its AdamW moments), collects the streamed parts with bounded buffering, checks that every announced tensor
-arrived whole and matches the owner's digest where one was sent, and decodes without unpickling. A bf16 copy may
-be redirected by its owner to a peer that holds it (sync/copies.py); a failed redirect falls back to the owner.
+event loop, P2P replica, servicer stub, codec executor and byte counters. A fetch asks one peer for one expert,
+its synchronized shared values or an owned expert's AdamW moments; collects the streamed parts with bounded
+buffering (`max_fetch_bytes`); checks that every announced tensor arrived whole; and decodes without unpickling.
+A stream cut short is retried once within the same timeout; a malformed one is refused and counted as
+"malformed" (docs/DESIGN.md, "Hostile peers"). The first message's metadata is checked by sync/codec.py
+`parse_metadata`; keys it does not know are ignored.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from sync.codec import IncompleteResponse, MalformedResponse, deserialize_parts as _deserialize_parts
 from sync.codec import SHARED_KEY, make_uid as _make_uid, parse_metadata as _parse_metadata
-from sync.copies import HeldCopy, digest_parts
 
 logger = get_logger(__name__)
 
@@ -35,7 +36,7 @@ class FetchedExpert(dict):
 
 
 class ExpertClient:
-    """ExpertExchange mixin: fetch experts, copies passed on and moments from other peers."""
+    """ExpertExchange mixin: fetch experts, shared values and moments from other peers."""
 
     def fetch_async(self, peer: PeerID, expert: int, round_id: int, timeout: float,
                     min_round: int | None = None, bf16: bool = False) -> concurrent.futures.Future:
@@ -50,18 +51,16 @@ class ExpertClient:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
             return done
-        # A bf16 copy is the same bytes on every holder: the owner may send us to one (sync/copies.py).
         request = {**({"min_round": int(min_round)} if min_round is not None else {}),
-                   **({"bf16": True, "via": True} if bf16 else {})}
+                   **({"bf16": True} if bf16 else {})}
         return asyncio.run_coroutine_threadsafe(
             self._fetch(peer, int(expert), int(round_id), timeout, request,
                         int(round_id) if min_round is None else int(min_round)), self._loop)
 
     def fetch_shared_async(self, peer: PeerID, round_id: int, min_round: int, timeout: float, bf16: bool = True,
                            ) -> concurrent.futures.Future:
-        """A follower's download (sync/following.py): `peer`'s shared all-reduce result of `round_id` (or its
-        newest, no older than `min_round`) in bf16; a `FetchedExpert` (name -> tensor) or None, never raises.
-        Never passed on: a follower must not become a holder that others are sent to."""
+        """`peer`'s synchronized shared values of `round_id` (or its newest, no older than `min_round`; bf16 if
+        asked), for a joiner or a repairing peer; a `FetchedExpert` (name -> tensor) or None, never raises."""
         if self._closed:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
@@ -100,10 +99,8 @@ class ExpertClient:
         what = f"{'moments of ' if moments else ''}expert {expert}@{round_id} from {peer}"
         min_round = round_id if min_round is None else min_round
         request = request or {}
-        # Peers the owner sends here while this copy is on its way wait for it (kept only if the owner gives leave).
-        held = self.held.start(expert) if request.get("via") else None
         try:
-            return await asyncio.wait_for(self._fetch_retrying(peer, uid, min_round, request, held), timeout)
+            return await asyncio.wait_for(self._fetch_retrying(peer, uid, min_round, request), timeout)
         except asyncio.TimeoutError:
             logger.debug(f"Timed out fetching {what} after {timeout:.1f}s")
         except IncompleteResponse as e:
@@ -113,24 +110,18 @@ class ExpertClient:
             logger.warning(f"Refused malformed {what}: {e}")
         except Exception as e:  # unreachable peer, no handler there, broken connection
             logger.debug(f"Could not fetch {what}: {type(e).__name__}: {e}")
-        finally:
-            if held is not None:
-                self.held.drop(held)  # no-op if it completed: then it is served until newer rounds replace it
         return None
 
-    async def _fetch_retrying(self, peer: PeerID, uid: str, min_round: int, request: dict,
-                              held: HeldCopy | None = None) -> FetchedExpert | None:
+    async def _fetch_retrying(self, peer: PeerID, uid: str, min_round: int, request: dict) -> FetchedExpert | None:
         try:
-            return await self._fetch_unbounded(peer, uid, min_round, request, held)
+            return await self._fetch_unbounded(peer, uid, min_round, request)
         except IncompleteResponse as e:
             logger.debug(f"Retrying {uid} from {peer}: {e}")
-            return await self._fetch_unbounded(peer, uid, min_round, request, held)
+            return await self._fetch_unbounded(peer, uid, min_round, request)
 
     async def _request(self, peer: PeerID, uid: str, request: dict | bytes | None = None,
-                       held: HeldCopy | None = None,
                        ) -> tuple[dict, list[list[runtime_pb2.Tensor]]]:
-        """Send one raw request; return (metadata, parts grouped per tensor). Unbounded: callers add a timeout.
-        `held`: announced (or dropped) as soon as the first message says whether the copy may be passed on."""
+        """Send one raw request; return (metadata, parts grouped per tensor). Unbounded: callers add a timeout."""
         stub = self._servicer.get_stub(self._p2p, peer, namespace=self.namespace)
         # Raw bytes: tests sending malformed options as they are.
         options = request if isinstance(request, bytes) else MSGPackSerializer.dumps(request) if request else b""
@@ -142,9 +133,7 @@ class ExpertClient:
             async for message in stream:
                 if meta is None:
                     meta = _parse_metadata(message.metadata)
-                    if held is not None:
-                        self.held.announce(held, meta)
-                    if "error" in meta or "redirect" in meta:
+                    if "error" in meta:
                         return meta, []
                 elif message.metadata:
                     raise MalformedResponse("metadata after the first message")
@@ -180,25 +169,18 @@ class ExpertClient:
             raise MalformedResponse("continuation part before any tensor header")
         return received
 
-    async def _fetch_unbounded(self, peer: PeerID, uid: str, min_round: int, request: dict,
-                               held: HeldCopy | None = None) -> FetchedExpert | None:
-        meta, groups = await self._request(peer, uid, request, held)
+    async def _fetch_unbounded(self, peer: PeerID, uid: str, min_round: int, request: dict) -> FetchedExpert | None:
+        meta, groups = await self._request(peer, uid, request)
         if "error" in meta:
             logger.debug(f"Peer {peer} has no expert {uid}: {meta['error'][:40]}")
             return None
         if meta["round"] < min_round:
             raise MalformedResponse(f"asked for round {min_round} or later, got the older round {meta['round']}")
-        if "redirect" in meta:
-            if not request.get("via"):
-                raise MalformedResponse("sent to another peer without leave")
-            return await self._fetch_passed_on(peer, uid, min_round, request, meta)
         tensors = await self._decode(meta, groups)
-        if held is not None and held.round == meta["round"]:
-            self.held.complete(held, groups)
         return FetchedExpert(dict(zip(meta["names"], tensors)), meta["round"])
 
     async def _decode(self, meta: dict, groups: list[list[runtime_pb2.Tensor]]) -> list[torch.Tensor]:
-        """Check that every announced tensor arrived whole and matches the digest sent with it, then decode."""
+        """Check that every announced tensor arrived whole, then decode (off the event loop)."""
         names = meta["names"]
         if len(groups) > len(names):
             raise MalformedResponse(f"{len(names)} names but {len(groups)} tensors")
@@ -206,34 +188,7 @@ class ExpertClient:
             raise IncompleteResponse(f"{len(names)} names, {len(groups)} tensors, not every part arrived")
 
         def decode() -> list[torch.Tensor]:
-            if "digest" in meta and digest_parts(names, groups) != meta["digest"]:
-                raise MalformedResponse("tensors do not match the digest of their owner")
             return [_deserialize_parts(g) for g in groups]
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, decode)
 
-    async def _fetch_passed_on(self, owner: PeerID, uid: str, min_round: int, request: dict, meta: dict,
-                               ) -> FetchedExpert | None:
-        """The owner sent us to a peer that holds (or is receiving) its bf16 copy: fetch it there and check it
-        against the owner's digest; failing that, ask the owner again without leave to redirect."""
-        expert = int(uid.split("@")[0])
-        try:
-            holder = PeerID(meta["redirect"])
-        except Exception:
-            raise MalformedResponse("sent to an unparsable peer ID") from None
-        self.redirects["followed"] += 1
-        try:
-            got, groups = await self._request(holder, _make_uid(expert, meta["round"]), {"bf16": True})
-            if "error" in got or "redirect" in got:
-                raise LookupError(got.get("error", "sent on again"))
-            if got["round"] != meta["round"] or got["names"] != meta["names"]:
-                raise MalformedResponse("not the copy its owner named")
-            tensors = await self._decode({**got, "digest": meta["digest"]}, groups)
-            return FetchedExpert(dict(zip(meta["names"], tensors)), meta["round"])
-        except MalformedResponse as e:
-            self.rejects.add("malformed")
-            logger.warning(f"Refused expert {uid} passed on by {holder}: {e}")
-        except Exception as e:  # gone, not holding it (any more), cut short
-            logger.debug(f"Expert {uid} not passed on by {holder}: {type(e).__name__}: {e}")
-        # Back to the owner, without leave: it serves us itself and names that holder to nobody else.
-        return await self._fetch_unbounded(owner, uid, min_round, {k: v for k, v in request.items() if k != "via"})

@@ -6,8 +6,8 @@ experts are compared by the cosine similarity of their flattened gate projection
 the fused `gate_up_proj`, whose output goes through the activation); each expert i takes the `merge.topk` most
 similar *other* experts j and moves by `alpha * mean_j (e_j - e_i)` on all its tensors, using pre-merge values
 for every expert. Decentralized: each owner computes this for the experts it owns from the same synchronized
-snapshot of all experts, so replicas stay identical and non-owners receive the merged experts with the next
-round's usual fetch — no extra traffic.
+snapshot of all experts, so replicas stay identical and non-owners receive the merged experts in the owners' next
+contributions — no extra traffic.
 """
 from __future__ import annotations
 

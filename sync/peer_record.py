@@ -22,9 +22,6 @@ class PeerRecord:
     step: int = 0
     tokens: int = 0
     ticket: bytes = b""  # closed runs: the organizer's ticket for this peer ID (sync.admission)
-    # A slow uplink: it follows the shared tensors by download and never joins an all-reduce group, so nobody
-    # waits for it in matchmaking (sync.follow_below_mbit, docs/DESIGN.md "Bandwidth-aware rounds").
-    follows: bool = False
     # The most experts this peer may own (its sync.max_experts_per_peer; 0: not published, any number), and the
     # owned experts it only takes care of until another peer takes them over (sync.ownership).
     budget: int = 0
@@ -42,9 +39,9 @@ class PeerRecord:
     # adopt them on this one read instead of two (sync.ownership), so a leave is covered within one round.
     left: list[int] = field(default_factory=list)
     # [round, DHT time]: when this peer expects to be ready to start that round (sync.schedule: the others keep
-    # training until the last of them is, so a round's group forms at once). Empty: no estimate.
+    # training until the last of them is, so a round's contributions are announced together). Empty: no estimate.
     due: list = field(default_factory=list)
-    # Its newest contribution (sync.protocol: contributions): [round, size, sha256 hex, weight, experts]; the
+    # Its newest contribution: [round, size, sha256 hex, weight, experts]; the
     # one before it (`prev`, same form, an older round: a peer still gathering that round, behind this one,
     # still finds it); and [round, digest] of its synchronized tensors after it applied a round
     # (sync/contributions.py).
@@ -65,8 +62,6 @@ class PeerRecord:
         value = {"experts": list(self.experts), "round": self.round, "step": self.step, "tokens": self.tokens}
         if self.ticket:
             value["ticket"] = self.ticket
-        if self.follows:
-            value["follows"] = True
         if self.budget:
             value["budget"] = self.budget
         caretaking = sorted(set(self.caretaking) & set(self.experts))
@@ -136,7 +131,7 @@ class PeerRecord:
         if prev and not (contrib and is_contrib(prev, num_experts) and prev[0] < contrib[0]):
             return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
-                   follows=value.get("follows") is True, budget=budget, caretaking=sorted(set(caretaking)),
+                   budget=budget, caretaking=sorted(set(caretaking)),
                    finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
                    left=sorted(set(left)), due=[due[0], float(due[1])] if due else [],
                    contrib=[*contrib[:4], sorted(contrib[4])] if contrib else [],
@@ -148,15 +143,8 @@ def median_round(records: Iterable[PeerRecord]) -> int | None:
 
     One peer claiming a huge (or tiny) round shifts the median by at most one position among honest values,
     and with two records the lower median is the smaller one, so a lone liar can never make the honest peer
-    jump ahead. The max, used before, let one record of round 2**62 move every peer (issue 9).
-
-    Followers' rounds count only when every record follows: a follower joins no group, so nothing holds its
-    rounds to the swarm's, and one that trained on while the others waited for their groups was 8 rounds ahead
-    after 3 s in tests/test_netns.py, where one of the two public peers then averaged alone in every round, its
-    round jumping from 3 to 12 to 22, as a peer that counts itself behind (it skips averaging and downloads the
-    state) does. A peer that claims to follow only loses its say."""
-    records = list(records)
-    rounds = sorted(r.round for r in records if not r.follows) or sorted(r.round for r in records)
+    jump ahead. The max, used before, let one record of round 2**62 move every peer (issue 9)."""
+    rounds = sorted(r.round for r in records)
     return rounds[(len(rounds) - 1) // 2] if rounds else None
 
 

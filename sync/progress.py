@@ -1,11 +1,11 @@
 """Where the swarm's rounds are, read in the background: lets a slower peer join the swarm's round on time.
 
 Rounds are counted in local steps (`sync.every`), so a peer 3x slower than the others reaches its round boundary
-long after them; the fast peers would then look for an averaging group without it (or wait for it). A
+long after them; the fast peers would then aggregate without its contribution (or wait for it). A
 `SwarmProgress` thread re-reads the live peer records every `poll` seconds; `SparseSync.round_due` starts a round
 early when the lower median of the other peers' published rounds is already past this peer's (they started a
 later round: they published it at its start). The peer then enters that round with the tokens it did train, and
-its all-reduce weight is those tokens (docs/DESIGN.md, "Heterogeneous peers").
+its contribution's weight is those tokens (docs/DESIGN.md, "Heterogeneous peers").
 
 The median, not the max: one peer publishing a huge round cannot make the others start rounds every step
 (records are signed and bounded, sync.records, and a lone liar cannot move the median, sync.swarm.median_round).
@@ -55,10 +55,7 @@ class SwarmProgress:
                 self.offer(records)
                 me = self.swarm.peer_id
                 if me in records:  # a read lacking this peer's own record tells nothing
-                    # Followers never join a group, unless this peer follows too (then they all-reduce among
-                    # themselves when nobody else averages: sync/following.py `_follows_this_round`).
-                    mine = records[self.swarm.peer_id].follows
-                    alone = not any(mine or not r.follows for p, r in records.items() if p != self.swarm.peer_id)
+                    alone = not any(p != self.swarm.peer_id for p in records)
                     self._reads_without_others = self._reads_without_others + 1 if alone else 0
                     if self.on_read is not None:
                         self.on_read(records)
@@ -73,9 +70,8 @@ class SwarmProgress:
         me = self.swarm.peer_id
         if not records:
             # No record at all, not even this peer's own (stored at join): the read tells nothing and the last
-            # view is kept (it ages out by others' max_age). It used to replace the view, and an empty view made a
-            # group looked for ahead of a round expect this peer alone. (A read with others but without this
-            # peer's own record, as a follower's reads were for seconds after it stored its record, does count.)
+            # view is kept (it ages out by others' max_age). (A read with others but without this peer's own
+            # record, as a new peer's reads are for seconds after it stored its record, does count.)
             return
         if set(records) == {me} and len(self._records) > 1 and self._partial_kept < PARTIAL_READS_KEPT:
             # Its own record alone, right after a read that showed others: most likely partial (the local

@@ -7,10 +7,9 @@ A home peer without a forwarded port can open connections but accept none. Two w
   any peer can reach it by peer ID. Relayed connections are small and short (libp2p's default relay limits:
   128 KiB, 2 min), so they serve to *reach* the peer, not to move tensors; the reservations are kept by
   sync/relay.py, because p2pd's autorelay does not renew one it lost within an hour;
-* **client mode** (`client_mode`): the DHT and averagers run as hivemind clients — they only make requests and
-  are never asked to lead a group, reduce a part or share state.
+* **client mode** (`client_mode`): the DHT runs as a hivemind client — it only makes requests.
 
-Either way bulk data (expert tensors, all-reduce parts, state downloads) must flow over connections the home
+Either way bulk data (contributions, state downloads) must flow over connections the home
 peer opened itself: `PeerDialer` dials every peer in the run's records, so that when a public peer opens a
 stream to it, libp2p reuses that direct connection. `reachability_line` says in one log line which mode a
 peer is in and why.
@@ -29,6 +28,8 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
+
+from sync.hivemind_private import daemon_connect, daemon_disconnect
 
 logger = get_logger(__name__)
 
@@ -136,8 +137,8 @@ async def _dial_peers(peer_ids: list[str], _dht: hivemind.DHT, node: Any) -> int
         try:
             peer = PeerID.from_base58(peer_id)
             if addrs:  # relayed only
-                await asyncio.wait_for(p2p._client.disconnect(peer), DIAL_TIMEOUT)
-            await asyncio.wait_for(p2p._client.connect(peer, []), DIAL_TIMEOUT)
+                await asyncio.wait_for(daemon_disconnect(p2p, peer), DIAL_TIMEOUT)
+            await asyncio.wait_for(daemon_connect(p2p, peer, []), DIAL_TIMEOUT)
             return True
         except Exception as e:  # gone, or not yet findable: the next pass retries
             logger.debug(f"could not dial {peer_id}: {e!r}")
@@ -212,7 +213,7 @@ async def ping_maddrs(maddrs: list[str], _dht: hivemind.DHT, node: Any, timeout:
     async def ping(peer_id: str, addrs: list[Multiaddr]) -> bool:
         try:
             peer = PeerID.from_base58(peer_id)
-            await asyncio.wait_for(node.protocol.p2p._client.connect(peer, addrs), timeout)
+            await asyncio.wait_for(daemon_connect(node.protocol.p2p, peer, addrs), timeout)
             return await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None
         except Exception:  # gone, moved, unreachable (link down), or another peer on that address now
             return False

@@ -12,7 +12,7 @@ neither stored by an honest node nor accepted from any node's answer. For the ru
 - On both, an expiration later than now + the key's lifetime bound is refused: no far-future tombstone or claim
   can be planted, and whatever a peer wrote dies within `record_ttl` once it stops refreshing it.
 
-Other keys (hivemind's averager matchmaking and state-sharing keys) pass through untouched.
+Other keys pass through untouched.
 
 Wire format of a signed value: MSGPack `[b"spes-record-v1", payload, public_key_der, signature]`, where the
 signature (RSA PKCS#1 v1.5, SHA-256, as libp2p's RSA keys sign) covers MSGPack `[tag, dht key id, subkey bytes,
@@ -60,7 +60,7 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # contrib: [round, size, sha256 hex, weight, experts] of the peer's contribution blob (sync/contributions.py);
 # prev: the contribution before `contrib`, same form, an older round (a peer behind still finds it).
 # synced: [round, digest hex] of its synchronized tensors after applying that round.
-_OPTIONAL_FIELDS = {"ticket", "follows", "budget", "caretaking", "finished", "claims", "origin", "left", "due",
+_OPTIONAL_FIELDS = {"ticket", "budget", "caretaking", "finished", "claims", "origin", "left", "due",
                     "contrib", "prev", "synced"}
 MAX_BLOB_BYTES = 2**36  # a contribution of a model far beyond the paper's shapes, uncompressed, stays under it
 MAX_DUE_TIME = 2.0 ** 34  # seconds since the epoch: year 2514; readers bound it by their own clock (sync.schedule)
@@ -137,7 +137,7 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
     """The exact schema of a peer record's payload (see sync.swarm.PeerRecord.to_value)."""
     if not isinstance(value, dict) or not _RECORD_FIELDS <= set(value) <= _RECORD_FIELDS | _OPTIONAL_FIELDS:
         return False
-    if ("follows" in value and value["follows"] is not True) or ("finished" in value and value["finished"] is not True):
+    if "finished" in value and value["finished"] is not True:
         return False
     if "budget" in value and not (type(value["budget"]) is int and 1 <= value["budget"] <= num_experts):
         return False

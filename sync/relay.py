@@ -27,6 +27,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
+from sync.hivemind_private import daemon_connect, daemon_stream_open
+
 logger = get_logger(__name__)
 
 HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
@@ -142,8 +144,8 @@ async def reserve(p2p: P2P, relay_maddr: str, timeout: float = REQUEST_TIMEOUT) 
     peer = PeerID.from_base58(peer_b58)
 
     async def run() -> Reservation:
-        await p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{peer_b58}"))])
-        _, reader, writer = await p2p._client.stream_open(peer, [HOP_PROTOCOL])
+        await daemon_connect(p2p, peer, [maddr.decapsulate(Multiaddr(f"/p2p/{peer_b58}"))])
+        _, reader, writer = await daemon_stream_open(p2p, peer, [HOP_PROTOCOL])
         try:
             writer.write(RESERVE_REQUEST)
             await writer.drain()

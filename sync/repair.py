@@ -1,5 +1,4 @@
-"""Repairing a peer whose synchronized tensors differ from the others' (`sync.protocol: contributions`;
-docs/DESIGN.md, "Rounds as contributions"), a mixin of SparseSync beside sync/contributions.py.
+"""Repairing a peer whose synchronized tensors differ from the others' (docs/DESIGN.md, "Repair"), a mixin of SparseSync beside sync/contributions.py.
 
 Each record carries `synced = [round, digest]`. In round r's network part a peer compares its own digest of
 round r-1 with the others' for r-1. If the majority's differs (ties: the smallest digest, so every peer picks the
@@ -20,7 +19,6 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from sync.aggregate import majority_digest
-from sync.codec import SHARED_KEY
 
 if TYPE_CHECKING:
     from sync.peer_record import PeerRecord

@@ -9,19 +9,14 @@ scale of the tensors. A contribution then moves the result by about w_i / (the o
 the fixed point the others' unclipped pull balances its clipped one: tau / 2 with three equal rows); one further than 2 tau
 from the median (5x the median distance) is dropped altogether, as long as two others remain. When every
 contribution lies within tau of the plain weighted mean, that mean is a fixed point and is returned exactly:
-with nobody attacking, robust aggregation *is* plain averaging. tau has a floor from the spread of the parts a
-reducer saw before (`AggregationPolicy`), for parts where most rows coincide (honest sparse updates).
+with nobody attacking, robust aggregation *is* plain averaging.
 
-`install_robust_reducer` puts it inside hivemind's butterfly all-reduce (through sync/reducer.py): every reducer
-collects all senders' copies of its part (hivemind only keeps a running sum), drops non-finite ones, caps each
-claimed weight at the tokens a peer can train in one round, and returns the clipped mean. It is installed inside
-an averager's own (forked) process only.
+`robust_mean` combines 3+ copies of an expert downloaded at join (sync/fetch.py); `coordinate_median` picks
+among downloaded shared states (sync/shared_tensors.py).
 """
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from typing import Sequence
 
 import torch
@@ -71,7 +66,7 @@ def centered_clip(x_NP: torch.Tensor, w_N: torch.Tensor, clip_factor: float = 2.
 def centered_clip_outliers(x_NP: torch.Tensor, w_N: torch.Tensor, clip_factor: float = 2.5,
                            iters: int = 50, min_tau: float = 0.0) -> tuple[torch.Tensor, int]:
     """centered_clip, plus how many rows lie more than 2 tau from the result (clipped to under half their pull:
-    the outliers worth counting as refusals). `min_tau`: a floor for tau (AggregationPolicy: from the honest
+    the outliers worth counting as refusals). `min_tau`: a floor for tau (from the honest
     spread of earlier parts), for parts where most rows coincide."""
     x_NP, w_N = x_NP.float(), w_N.float()
     total = float(w_N.sum())
@@ -125,76 +120,3 @@ def robust_mean(copies: Sequence[dict[str, torch.Tensor]], clip_factor: float = 
         out[name] = out_P[offset:offset + numel].reshape(shape)
         offset += numel
     return out
-
-
-# tau's floor (AggregationPolicy): this fraction of the median per-element spread of the last SPREAD_MEMORY parts
-# this reducer saw with a non-zero spread (about 5 rounds of one reducer's parts of the shared tensors).
-SPREAD_FLOOR = 0.5
-SPREAD_MEMORY = 64
-
-
-class AggregationPolicy:
-    """What a reducer enforces: the weight cap (tokens one round can hold), the rule, and where refusals go.
-
-    It also remembers the honest spread of the parts it reduced, per element, as a floor for tau. Where most rows
-    of a part coincide, the median distance is 0 and so is tau, and any row that differs would be dropped as far
-    outside the spread: that is what honest sparse training looks like (the embedding rows of tokens only one
-    peer's batches held, which nobody else changed; measured: 11 of one reducer's 13 parts in a round of three
-    public peers in bench.wan), and it threw that peer's work away. With the floor such a row is one more
-    contribution as long as it moves no further than the others' changes do elsewhere, while a hostile one is
-    still clipped as in any part (its pull at most tau) or dropped beyond 2 tau, with tau of the size of an honest
-    change (tests/test_robust.py)."""
-
-    def __init__(self, rule: str = "centered_clip", max_weight: float = math.inf, clip_factor: float = 2.5,
-                 rejects=None):
-        self.rule, self.max_weight, self.clip_factor, self.rejects = rule, max_weight, clip_factor, rejects
-        self._spreads: deque[float] = deque(maxlen=SPREAD_MEMORY)
-
-    def min_tau(self, numel: int) -> float:
-        """tau's floor for a part of `numel` elements (0 until a part with a non-zero spread was seen)."""
-        if not self._spreads:
-            return 0.0
-        return self.clip_factor * SPREAD_FLOOR * statistics.median(self._spreads) * math.sqrt(numel)
-
-    def note_spread(self, x_NP: torch.Tensor) -> None:
-        """Remember this part's per-element spread (parts of 3+ rows that do not mostly coincide)."""
-        if x_NP.shape[0] >= 3:
-            spread = median_distance(x_NP) / math.sqrt(max(x_NP.shape[1], 1))
-            if spread > 0 and math.isfinite(spread):
-                self._spreads.append(spread)
-
-    def _reject(self, reason: str, n: int = 1) -> None:
-        if self.rejects is not None:
-            self.rejects.add(reason, n)
-
-    def aggregate(self, parts: list[torch.Tensor], weights: list[float], shape: torch.Size) -> torch.Tensor:
-        """The reduced part from every sender's copy of it."""
-        rows, kept_w = [], []
-        for part, weight in zip(parts, weights):
-            if not bool(torch.isfinite(part).all()):
-                self._reject("nonfinite")
-                continue
-            if not math.isfinite(weight) or weight < 0 or weight > self.max_weight * 1.01:
-                self._reject("weight")  # still counted, at the most an honest peer could have trained
-                weight = self.max_weight if math.isfinite(self.max_weight) and weight > 0 else 0.0
-            rows.append(part.reshape(-1).float())
-            kept_w.append(float(weight))
-        if not rows:
-            return torch.zeros(shape)
-        x_NP, w_N = torch.stack(rows), torch.tensor(kept_w)
-        if self.rule == "mean":
-            total = float(w_N.sum())
-            out_P = (w_N[:, None] * x_NP).sum(0) / total if total > 0 else x_NP.mean(0)
-        else:
-            out_P, outliers = centered_clip_outliers(x_NP, w_N, self.clip_factor, min_tau=self.min_tau(x_NP.shape[1]))
-            self.note_spread(x_NP)
-            if outliers:
-                self._reject("delta", outliers)  # clipped: counted, so an attack shows in the metrics
-        return out_P.reshape(shape)
-
-
-def install_robust_reducer(policy: AggregationPolicy) -> None:
-    """Make hivemind's all-reduce in *this process* reduce with `policy` (call inside the averager process)."""
-    from sync.reducer import install_reducer
-
-    install_reducer(policy.aggregate)

@@ -2,15 +2,16 @@
 
 Rounds are counted in local steps (`sync.every`), so the peers of a run reach a round's boundary at different
 wall-clock times: one finished its previous round later, or trains slower on a shared machine. The first to
-arrive then waited, blocked, for the last one in matchmaking (bench.wan: 0.4-1 s of a 5.6 s round). Instead:
+arrive then waits, blocked, for the last one's announcement (bench.wan: 0.4-1 s of a 5.6 s round, measured on
+the old all-reduce's matchmaking). Instead:
 
 - every peer publishes in its DHT record when it expects to be ready for its next round (`due`: [round, DHT
   time], from its own median step time), from a background thread, again when the estimate moves by more than a
   step;
 - a peer that reached `every` steps keeps training while another live peer is due later for the same round,
-  within what it may train past the boundary anyway (every/2 extra steps, as a deferred round); it starts at the
-  step boundary nearest the latest such due time, so the group forms at once and the waiting became training
-  (its all-reduce weight is the tokens it trained, capped as always);
+  within every/2 extra steps; it starts at the step boundary nearest the latest such due time, so the round's
+  contributions are announced together and the waiting became training (its contribution's weight is the
+  tokens it trained, capped as always);
 - a peer that already started the round (its record says so) is joined at once; a due time beyond the extra
   steps is not waited for: that peer is much slower and joins the swarm's round early instead (`round_due`'s
   other branch, sync/progress.py).
@@ -18,8 +19,7 @@ arrive then waited, blocked, for the last one in matchmaking (bench.wan: 0.4-1 s
 A lying `due` costs at most the every/2 extra steps per round (then the round starts regardless), and only
 records of the run's signed schema are read (sync/records.py).
 
-`Scheduling` is a mixin of `SparseSync` (sync/rounds.py): `round_due`, the deferral of a due round while the
-previous one still waits for its group, and this start-together hold.
+`Scheduling` is a mixin of `SparseSync` (sync/rounds.py): `round_due` and this start-together hold.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class DuePublisher:
 
 
 class Scheduling:
-    """When to start the next round (mixin of SparseSync: uses its cfg, progress, shared, round_id, _pending)."""
+    """When to start the next round (mixin of SparseSync: uses its cfg, progress, round_id, _pending)."""
 
     def _init_scheduling(self) -> None:
         self._step_intervals: collections.deque[float] = collections.deque(maxlen=STEP_SAMPLES)
@@ -110,22 +110,14 @@ class Scheduling:
     def note_step(self, steps_since_round: int, steps_left: int | None = None) -> None:
         """After every step (training thread), once this step's round is started or finished: measure the step
         time and publish when this peer expects to be ready for its next round (sync.schedule). `steps_left`:
-        steps this peer still trains (None: no end known); no group is looked for ahead of a round after them."""
+        steps this peer still trains (None: no end known)."""
         now = time.monotonic()
         self._steps_left = steps_left
         if self._last_step_at is not None:
             self._step_intervals.append(now - self._last_step_at)
         self._last_step_at = now
-        idle = self._pending is None or self._pending.future.done()
-        self._reprobe_due()
-        if self._probes_left and self._probe_allowed(idle) and not self._leaving:
-            # Between rounds, so the probe's bytes do not compete with a round's transfers (sync/uplink.py); with
-            # sync.overlap a round is applied only at the next boundary, so "its transfers are done" counts too,
-            # and after a while any step does (a slow uplink's transfers may fill every interval: it would never
-            # measure, nor follow).
-            self._maybe_measure_uplink(self.progress.others(max_age=2 * self.progress.poll + 1))
         step_time = self.step_time()
-        if not self.cfg.start_together or step_time is None or self._leaving or self.follower:
+        if not self.cfg.start_together or step_time is None or self._leaving:
             return
         target = self.round_id + 1
         if steps_since_round >= self.cfg.every:
@@ -135,28 +127,6 @@ class Scheduling:
         else:
             due = get_dht_time() + (self.cfg.every - steps_since_round) * step_time
         self._due_publisher.set(target, due, tolerance=max(0.2, step_time))
-        # A group formed ahead for a round this peer never starts would keep the others' all-reduce waiting for
-        # it until their timeouts (bench.wan: 8 s at the end of a run, when the peers' last rounds differ).
-        if steps_left is None or steps_left >= max(1, self.cfg.every - steps_since_round):
-            self._maybe_look_ahead(steps_since_round, step_time)
-
-    def _maybe_look_ahead(self, steps_since_round: int, step_time: float) -> None:
-        """Look for the next round's all-reduce group once the round is expected to start within
-        `sync.group_ahead` seconds: this peer's own remaining steps, or the latest due time it will hold for."""
-        if (not self.cfg.group_ahead or self.cfg.shared_every or self.shared.prepared()
-                or (self._pending is not None and not self._pending.future.done())):
-            return  # off, shared-only rounds use the same averager, or its step runs / is prepared already
-        now = get_dht_time()
-        start = now + max(0, self.cfg.every - steps_since_round) * step_time
-        others = self.progress.others(max_age=2 * self.progress.poll + 1)
-        latest = self._latest_due(others, steps_since_round, step_time, now)
-        if latest is not None and latest > start:
-            start = latest
-        expected = 1 + sum(not r.follows for r in others.values())
-        ahead = min(self.cfg.group_ahead, self.cfg.matchmaking_time / 2)
-        if start - now <= ahead and expected >= 2:
-            self.shared.prepare(expected, start, timeout=start - now + self.shared.matchmaking_time
-                                + self.cfg.round_timeout)
 
     def _latest_due(self, others: dict, steps_since_round: int, step_time: float, now: float) -> float | None:
         """The latest time another live peer expects to be ready for this peer's next round, among those within
@@ -165,64 +135,58 @@ class Scheduling:
         horizon = now + (self.cfg.every + self._extra_steps() - steps_since_round) * step_time
         latest = None
         for record in others.values():
-            if record.follows:
-                continue
             if record.round >= target:
-                return now  # it started the round already and waits for its group: join it now
+                return now  # it started the round already and waits for the others' contributions: join it now
             if record.due and record.due[0] == target and record.due[1] <= horizon:
                 latest = record.due[1] if latest is None else max(latest, record.due[1])
         return latest
 
     def round_due(self, steps_since_round: int) -> bool:
-        """Start a round now? After `sync.every` local steps (unless deferred or held, below), or earlier (but
+        """Start a round now? After `sync.every` local steps (unless held, below), or earlier (but
         after at least every/10 steps, and after training at least as long as its last round took) when the
         other peers' median round is already past this peer's: it is slower than them, and joins the round they
         are in with the tokens it trained (sync.progress)."""
-        # (Not at the run's last step: nothing is left to train while waiting, and a round held or deferred
+        # (Not at the run's last step: nothing is left to train while waiting, and a round held
         # there never started: a 20-step run's peer ended without its second round while the other peer's
         # looked for it, bench.convergence's smoke run in a CI simulation.)
         last_step = self._steps_left is not None and self._steps_left <= 1
-        if self._measuring_first() and not last_step:
-            return False  # it trains on until its first uplink reading is in (sync/uplink.py)
         if steps_since_round >= self.cfg.every:
-            if not last_step and (self._defer(steps_since_round) or self._hold(steps_since_round)):
+            if not last_step and self._hold(steps_since_round):
                 return False
             # Steps held for a later peer are borrowed from the next interval (the caller counts the next round
             # from `round_shift` steps back): the peers' rounds stay on the same steps. Counted from the held
             # start instead, a 20-step run with every=10 held its first round one step and ended at step 20 with
-            # no second round, while the other peer's second round looked for it until round_timeout
-            # (bench.convergence's smoke run, a CI simulation).
+            # no second round (bench.convergence's smoke run, a CI simulation).
             self.round_shift = steps_since_round - self.cfg.every if self._holding else 0
             self._holding = False
             return True
         if not self.cfg.follow_swarm or self._leaving or steps_since_round < max(1, self.cfg.every // 10):
             return False
         if self._pending is not None and not self._pending.future.done():
-            # Its previous round still runs: an early start would block on it (7 s in bench.wan's slow arm).
+            # Its previous round still runs: an early start would block on it.
             return False
         if time.monotonic() - self._last_applied_at < self._last_transfer_seconds:
             # Its rounds are link-bound (a slow uplink: the last one's transfers took longer than it has trained
             # since): joining earlier would only make it sync after every step. It keeps the every-H pace. The
-            # transfers, not the whole round: a CPU-slow peer's round is mostly its wait for the group, and
-            # counting that halved its share of the fast peers' rounds (it joined every other one).
+            # transfers, not the whole round: a CPU-slow peer's round is mostly its wait for announcements.
             return False
         swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5)
         self.round_shift = 0
         return swarm_round is not None and swarm_round > self.round_id
 
     def _extra_steps(self) -> int:
-        """The most steps a peer trains past a due round (deferred or held) before it starts it regardless."""
+        """The most steps a peer trains past a due round (held) before it starts it regardless."""
         return max(1, self.cfg.every // 2)
 
     def _hold(self, steps_since_round: int) -> bool:
         """Keep training past a due round while another live peer expects to be ready for it later, within the
         extra steps (sync.schedule); start at the step boundary nearest the latest such time."""
         step_time = self.step_time()
-        if (not self.cfg.start_together or step_time is None or self._leaving or self.follower
+        if (not self.cfg.start_together or step_time is None or self._leaving
                 or steps_since_round >= self.cfg.every + self._extra_steps()):
             return False
         if self._pending is not None and not self._pending.future.done():
-            return False  # the previous round still runs (and was not deferred): start this one after it
+            return False  # the previous round still runs: start this one after it
         now = get_dht_time()
         latest = self._latest_due(self.progress.others(max_age=2 * self.progress.poll + 1), steps_since_round,
                                   step_time, now)
@@ -233,26 +197,6 @@ class Scheduling:
                 self.held_rounds += 1
                 self._holding = True
         return hold
-
-    def _defer(self, steps_since_round: int) -> bool:
-        """Keep training past a due round, for at most every/2 extra steps, while the previous one still runs
-        after its group took long to form (longer than the records can lag: two polls of the progress reader +
-        1 s). Such a round waited for a peer that reached it later (rounds are counted in local steps, so the
-        fastest peer laps the others): blocking on it would make this peer wait for them every round; deferred,
-        it trains meanwhile and its rounds follow the swarm's pace. A previous round whose group formed at once
-        and that is still transferring (rounds longer than H steps on a slow link or a small model) is waited
-        for as before: deferring then would only stretch H for everyone (docs/DESIGN.md, "Bandwidth-aware
-        rounds")."""
-        pending = self._pending
-        if pending is None or pending.future.done() or self._leaving or self.follower:
-            return False
-        if steps_since_round >= self.cfg.every + self._extra_steps():
-            return False
-        if not self._deferring:  # decided once per due round, then until the previous round is applied
-            self._deferring = self.shared.group_wait() > 2 * self.progress.poll + 1.0
-            if self._deferring:
-                self.deferred_rounds += 1
-        return self._deferring
 
     def _stop_scheduling(self) -> None:
         self._due_publisher.stop()

@@ -1,10 +1,7 @@
-"""The shared tensors' round state for the contribution protocol (docs/DESIGN.md, "Rounds as contributions"):
+"""The shared tensors' round state (docs/DESIGN.md, "Rounds as contributions"):
 their live parameters, the snapshot a round measures from, the last synchronized values every honest peer holds
 alike, and DiLoCo's outer state. No averager process: contributions travel through sync/contrib_exchange.py and
 joiners download the synchronized values from the expert exchange (sync/fetch.py `_download_shared`).
-
-It answers the calls a round makes on `SparseSync.shared` (sync/shared.py's SharedAverager for the all-reduce
-protocol) so the round's other parts (scheduling, ownership, durable state) need not know which protocol runs.
 """
 from __future__ import annotations
 
@@ -53,8 +50,6 @@ def load_shared_state(params: list[torch.Tensor], candidates: list[list[torch.Te
 class SharedTensors:
     """Snapshot, synchronized values and outer-optimizer state of the model's shared parameters."""
 
-    matchmaking_time = 0.0  # no group to look for
-
     def __init__(self, model: SpesMoE, cfg: SyncConfig, rejects: RejectCounter | None = None):
         self.cfg, self.rejects = cfg, rejects
         self.params = [p for _, p in model.shared_parameters()]
@@ -64,7 +59,6 @@ class SharedTensors:
         # The outer optimizer steps from the synchronized values (its anchor: kept equal to them) with momentum.
         self.anchor = [s.clone() for s in self.synced] if nesterov else None
         self.momentum = [torch.zeros_like(s) for s in self.synced] if nesterov else None
-        self.last_timing: dict[str, float] = {}
 
     def take_snapshot(self, tensors: list[torch.Tensor] | None = None) -> None:
         """At the round boundary (training thread): the values a contribution is measured from."""
@@ -94,32 +88,3 @@ class SharedTensors:
     def _reject(self, reason: str) -> None:
         if self.rejects is not None:
             self.rejects.add(reason)
-
-    # ---- what the all-reduce protocol's averager answers; nothing to do here ------------------------------------
-
-    def cancel_ahead(self) -> None:
-        pass
-
-    def cancel_matchmaking(self) -> bool:
-        return False
-
-    def prepared(self) -> bool:
-        return False
-
-    def prepare(self, *args, **kwargs) -> bool:
-        return False
-
-    def group_wait(self) -> float:
-        return 0.0
-
-    def take_folded(self) -> list:
-        return []
-
-    def bytes_sent(self) -> int:
-        return 0
-
-    def bytes_received(self) -> int:
-        return 0
-
-    def shutdown(self) -> None:
-        pass

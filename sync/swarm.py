@@ -75,9 +75,6 @@ class Swarm:
     admission: Any = None  # closed runs: sync.admission.Admission (revoked peers are not read)
     # Full multiaddrs of the run's initial peers: where this peer re-joins the DHT after its link came back.
     initial_peers: Sequence[str] = ()
-    # hivemind client mode for this peer's averagers (they lead no group, reduce no part, serve no state); None:
-    # as its DHT. A relay-mode peer's DHT is a client while its averagers serve (sync/dht.py start_dht).
-    averages_as_client: bool | None = None
     record: PeerRecord = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,23 +1,22 @@
-"""Owner-to-non-owner expert transfer over one hivemind P2P handler keyed by expert ID (docs/DESIGN.md, "A round").
+"""Expert transfer between peers over one hivemind P2P handler keyed by expert ID (docs/DESIGN.md, "Joining and
+state downloads"; what a hostile server or requester can do: "Hostile peers").
 
-Each peer runs one `ExpertExchange`: it serves the experts it published for recent sync rounds and fetches other
-owners' experts (sync/fetch_client.py), all through a single streaming rpc handler (not one averager per
-expert). Wire format:
+Each peer runs one `ExpertExchange`: it serves the experts it published for recent sync rounds (and, if asked, its
+synchronized shared values or an owned expert's AdamW moments) and fetches other peers' (sync/fetch_client.py), all
+through a single streaming rpc handler. A joiner or a peer that fell behind fetches from them (sync/fetch.py,
+sync/repair.py). Wire format:
 
-- request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")` (or `"m{expert}@0"`: the owner's AdamW moments of the
-  expert, for a peer taking it over; docs/DESIGN.md "Coverage"), optionally with `metadata` = MSGPack
-  `{"min_round": m, "bf16": true, "via": true}` (all optional): if that round is not there, an older copy no older
-  than round `m` may be served instead (an owner one round behind; docs/DESIGN.md, "Bandwidth-aware rounds");
-  `bf16`: the fetcher stores the copy in bf16, so it gets the tensors rounded to bf16 (half the bytes; moments
-  never); `via`: the fetcher may be sent to a peer that holds the same bf16 copy (sync/copies.py);
+- request: `runtime_pb2.ExpertRequest(uid="{expert}@{round}")` (or `"s0@{round}"`: the synchronized shared
+  values; `"m{expert}@0"`: the owner's AdamW moments of the expert, for a peer taking it over; docs/DESIGN.md
+  "Coverage"), optionally with `metadata` = MSGPack `{"min_round": m, "bf16": true}` (both optional, at most 256
+  bytes; other keys are ignored, see sync/codec.py `parse_request_metadata`): if that round is not there, an older
+  copy no older than round `m` may be served instead (an owner one round behind); `bf16`: the fetcher stores the
+  copy in bf16, so it gets the tensors rounded to bf16 (half the bytes; moments never);
 - response stream of `runtime_pb2.ExpertResponse`: first message `metadata` = MSGPack `{"names": [...],
   "round": r}` — r is the round asked for, or the owner's newest if that one is gone and a later one exists;
-  older only as `min_round` allows — (or `{"error": "missing" | "bad request" | "internal"}` and the stream
-  ends), then the tensors,
-  each serialized with hivemind's codecs and cut into parts by `split_for_streaming` (so tensors bigger than
-  a p2p message work), several parts per message. A bf16 form also carries `"digest"` (32 bytes, sync/copies.py)
-  and, where the owner lets the fetcher pass it on, `"relay": true`; or, instead of the tensors, `"redirect"`:
-  a holder's peer ID, to ask for the same `{expert}@{r}` (the holder serves only complete copies that matched).
+  older only as `min_round` allows — (or `{"error": "missing" | "bad request" | "internal" | "unauthorized"}`
+  and the stream ends), then the tensors, each serialized with hivemind's codecs and cut into parts by
+  `split_for_streaming` (so tensors bigger than a p2p message work), several parts per message.
 
 Nothing received is unpickled: metadata is MSGPack, tensors go through hivemind's deserializers (or the local
 8-bit decoder in sync/codec.py). Fetched tensors are *not* validated here; callers run `sync.validate.validate_tensors`.
@@ -26,10 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
 from contextlib import suppress
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable
 
 import torch
 from hivemind.dht import DHT
@@ -42,12 +40,7 @@ from hivemind.utils.streaming import split_for_streaming
 from sync.codec import COMPRESSION_TYPES, parse_request_metadata as _parse_request_metadata
 from sync.codec import parse_uid as _parse_uid
 from sync.codec import serialize_tensor as _serialize_tensor
-from sync.codec import MIN_8BIT_NUMEL, extract_quantized, patch_hivemind_8bit_decoder  # noqa: F401 (their old home)
-from sync.carry import CarryInbox, send_change
-from sync.copies import HeldCopies, PassOn, digest_serialized
 from sync.fetch_client import ExpertClient, FetchedExpert  # noqa: F401 (FetchedExpert: imported from here)
-from sync.state_download import StateDownloads
-from sync.uplink import PROBE_SECONDS, UplinkSink, measure_upload
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -56,8 +49,6 @@ logger = get_logger(__name__)
 PARTS_PER_MESSAGE = 16
 # A hostile server could stream forever inside the timeout; cap what one fetch may buffer.
 DEFAULT_MAX_FETCH_BYTES = 16 * 2**30
-# The longest a request waits while its owner holds its copies (hold_copies): past any all-reduce that ends.
-HOLD_AT_MOST = 120.0
 
 
 class _Entry:
@@ -71,14 +62,11 @@ class _Entry:
         # Serialized forms by "bf16" (False: as published, with the exchange's codec); the jobs making them are
         # touched only on the exchange's loop thread.
         self.serialized: dict[bool, list[runtime_pb2.Tensor]] = {}
-        self.digest = b""  # of the bf16 form, once made (sync/copies.py)
         self.job: dict[bool, asyncio.Future] = {}
-        self.pass_on = PassOn()
 
 
 class _ExpertServicer(ServicerBase):
-    """The rpc handlers: `{namespace}::_ExpertServicer.rpc_get_expert`, `.rpc_uplink_probe` (sync/uplink.py) and
-    `.rpc_carry_shared` (a follower's shared change, sync/carry.py)."""
+    """The rpc handler: `{namespace}::_ExpertServicer.rpc_get_expert`."""
 
     def __init__(self, exchange: "ExpertExchange") -> None:
         self.exchange = exchange
@@ -93,29 +81,10 @@ class _ExpertServicer(ServicerBase):
             logger.debug(f"Refusing expert request from unadmitted peer {context.remote_id}")
             yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
             return
-        async for message in self.exchange._serve(request.uid, request.metadata, context.remote_id):
+        async for message in self.exchange._serve(request.uid, request.metadata):
             yield message
 
-    async def rpc_uplink_probe(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
-                               ) -> runtime_pb2.ExpertResponse:
-        """Another peer measuring its upload (sync/uplink.py): count what it pushes, within the sink's limits."""
-        gate = self.exchange.gate
-        if gate is not None and not await gate.admits(context.remote_id):
-            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
-        return await self.exchange.uplink_sink.absorb(requests, context.remote_id)
-
-    async def rpc_carry_shared(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
-                               ) -> runtime_pb2.ExpertResponse:
-        """A follower's shared change for this peer's next all-reduce (sync/carry.py), within the inbox's limits."""
-        gate = self.exchange.gate
-        if gate is not None and not await gate.admits(context.remote_id):
-            self.exchange.rejects.add("unauthorized")
-            return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
-        return await self.exchange.carried.absorb(requests, context.remote_id,
-                                                  lambda n: self.exchange._count("received", n, kind="shared"))
-
-
-class ExpertExchange(ExpertClient, StateDownloads):
+class ExpertExchange(ExpertClient):
     """Serves this peer's published experts and fetches other peers' experts through one P2P handler.
 
     namespace: the run_id, so handlers of different runs on one DHT never collide.
@@ -143,21 +112,11 @@ class ExpertExchange(ExpertClient, StateDownloads):
         # that round (sync/repair.py: a repairing peer needs every expert's value, its own ones included).
         self.synced_provider: Callable[[int, int], dict[str, torch.Tensor] | None] | None = None
         self.moments_served: set[int] = set()  # experts whose moments went out whole (a leaver's grace, sync/leave)
-        # Set by the peer while its uplink is slow: each bf16 copy goes out once a round, later requesters are sent
-        # to a peer that holds it (sync/copies.py). `held`: the copies this peer may pass on for others.
-        self.pass_copies_on = False
-        self.held = HeldCopies(keep_rounds)
-        # Cleared while this peer's own all-reduce runs on a slow uplink (copies_held): expert tensors then wait to
-        # go out until it is done, so copies asked during the all-reduce do not slow the part its group waits for.
-        self._serving_free: asyncio.Event | None = None
-        self.redirects = {"sent": 0, "followed": 0}  # requesters this peer sent elsewhere / own fetches sent so
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
         self._store: dict[int, dict[int, _Entry]] = {}
         self._bytes = {"sent": {"expert": 0, "shared": 0}, "received": {"expert": 0, "shared": 0}}
         self._servicer = _ExpertServicer(self)
-        self.uplink_sink = UplinkSink()
-        self.carried = CarryInbox(self.rejects)  # followers' shared changes for this peer's next all-reduce (sync/carry.py)
         self._p2p: P2P | None = None
         self._closed = False
         # Codec work runs here, off the event loop, so one big tensor does not stall other transfers.
@@ -184,8 +143,6 @@ class ExpertExchange(ExpertClient, StateDownloads):
         # on their own event loops are then not bound to this loop, and our shutdown does not close theirs.
         get_maddr = DHT._get_p2p_daemon_listen_maddr  # what dht.replicate_p2p() itself asks the DHT process
         maddr = await asyncio.get_running_loop().run_in_executor(None, dht.run_coroutine, get_maddr)
-        self._serving_free = asyncio.Event()
-        self._serving_free.set()
         self._p2p = await P2P.replicate(maddr)
         await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
 
@@ -262,8 +219,6 @@ class ExpertExchange(ExpertClient, StateDownloads):
         # bf16: rounded here exactly as the fetcher would round an fp32 copy into its bf16 frozen storage.
         serialized = [_serialize_tensor(t.to(torch.bfloat16) if bf16 and t.is_floating_point() else t, codec)
                       for t in tensors]
-        if bf16:  # before the form is visible: a concurrent request must never see it without its digest
-            entry.digest = digest_serialized(entry.names, serialized)
         entry.serialized[bf16] = serialized
         if set(entry.serialized) >= self._forms(entry):
             entry.tensors = None  # only serialized forms are served from now on: the snapshot is not kept twice
@@ -278,37 +233,12 @@ class ExpertExchange(ExpertClient, StateDownloads):
                                                                          entry, bf16)
         return await asyncio.shield(entry.job[bf16])
 
-    @contextlib.contextmanager
-    def copies_held(self, hold: bool) -> Iterator[None]:
-        """(Any thread) While inside with `hold`, requests for expert tensors are answered only once it ends (or
-        after HOLD_AT_MOST s): a peer whose uplink is slow holds them while its own all-reduce runs, since copies
-        asked during the all-reduce (sync.copies_during_allreduce) would share that uplink with the all-reduce
-        part its whole group waits for (docs/DESIGN.md, "Bandwidth-aware rounds")."""
-        if hold:
-            self._set_serving(False)
-        try:
-            yield
-        finally:
-            if hold:
-                self._set_serving(True)
-
-    def _set_serving(self, free: bool) -> None:
-        if not self._closed and self._serving_free is not None:
-            self._loop.call_soon_threadsafe(self._serving_free.set if free else self._serving_free.clear)
-
-    async def _wait_while_held(self) -> None:
-        if self._serving_free is not None and not self._serving_free.is_set():
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._serving_free.wait(), HOLD_AT_MOST)
-
-    async def _serve(self, uid: str, metadata: bytes = b"", requester: PeerID | None = None,
-                     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """The response stream for one request; never raises (a hostile request only ends its own stream).
-        `requester`: the libp2p-authenticated sender, for passing copies on (sync/copies.py)."""
+    async def _serve(self, uid: str, metadata: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The response stream for one request; never raises (a hostile request only ends its own stream)."""
         def respond(meta: dict) -> runtime_pb2.ExpertResponse:
             return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta))
 
-        parsed, (well_formed, min_round, bf16, via) = _parse_uid(uid), _parse_request_metadata(metadata)
+        parsed, (well_formed, min_round, bf16) = _parse_uid(uid), _parse_request_metadata(metadata)
         if parsed is None or not well_formed:
             logger.debug(f"Refusing malformed expert request uid {uid[:40]!r}")
             yield respond({"error": "bad request"})
@@ -321,15 +251,7 @@ class ExpertExchange(ExpertClient, StateDownloads):
             if entry is None and self.synced_provider is not None:
                 entry = self._synced_entry(expert, round_id)
         if entry is None:
-            # Not ours: maybe a copy this peer received with leave to pass it on (its owner sent the requester here).
-            held = await self.held.find(expert, parsed[2]) if bf16 and not moments else None
-            if held is None:
-                yield respond({"error": "missing"})
-                return
-            await self._wait_while_held()
-            yield respond({"names": held.names, "round": held.round, "digest": held.digest})
-            async for message in self._batched(part for group in held.groups for part in group):
-                yield message
+            yield respond({"error": "missing"})
             return
         try:
             serialized = await self._serialized(entry, bf16)
@@ -337,28 +259,9 @@ class ExpertExchange(ExpertClient, StateDownloads):
             logger.warning(f"Cannot serialize expert {expert}@{round_id}: {e!r}")
             yield respond({"error": "internal"})
             return
-        meta, passing = {"names": entry.names, "round": round_id}, False
-        if bf16 and not moments and True in self._forms(entry) and entry.digest:
-            meta["digest"] = entry.digest
-            if self.pass_copies_on and requester is not None:
-                holder = entry.pass_on.target(requester, via)
-                if holder is not None:
-                    self.redirects["sent"] += 1
-                    yield respond({**meta, "redirect": holder.to_bytes()})
-                    return
-                if via:
-                    meta["relay"] = passing = True
-                    entry.pass_on.serving(requester)
-        complete = False
-        try:
-            await self._wait_while_held()
-            yield respond(meta)
-            async for message in self._batched(part for tensor in serialized for part in split_for_streaming(tensor)):
-                yield message
-            complete = True
-        finally:
-            if passing and not complete:
-                entry.pass_on.failed(requester)
+        yield respond({"names": entry.names, "round": round_id})
+        async for message in self._batched(part for tensor in serialized for part in split_for_streaming(tensor)):
+            yield message
         if moments:
             self.moments_served.add(expert)
 
@@ -374,36 +277,6 @@ class ExpertExchange(ExpertClient, StateDownloads):
         if batch:
             yield runtime_pb2.ExpertResponse(tensors=batch)
             self._count("sent", sum(len(p.buffer) for p in batch))
-
-    # ---- measuring -----------------------------------------------------------------------------------------
-
-    def measure_upload(self, peers: list[PeerID]) -> float | None:
-        """This peer's upload in Mbit/s, by pushing bytes to `peers` at once (sync/uplink.py); None if none answered."""
-        calls = [_ExpertServicer.get_stub(self._p2p, p, namespace=self.namespace).rpc_uplink_probe for p in peers]
-        return asyncio.run_coroutine_threadsafe(measure_upload(calls), self._loop).result(timeout=PROBE_SECONDS + 15)
-
-    def carry_async(self, peer: PeerID, round_id: int, weight: float, serialized: list[runtime_pb2.Tensor],
-                    timeout: float) -> concurrent.futures.Future:
-        """Send a follower's shared change to `peer` (sync/carry.py); the future gives None once it took it,
-        else its reason or the transport's error (a carrier that refuses answers at once and stops reading, which
-        the sender may see as a reset stream). Bytes count as sent once handed to the stream."""
-        call = _ExpertServicer.get_stub(self._p2p, peer, namespace=self.namespace).rpc_carry_shared
-
-        async def counted(messages):
-            async def counting():
-                async for message in messages:
-                    yield message
-                    self._count("sent", sum(len(p.buffer) for p in message.tensors), kind="shared")
-            return await call(counting())
-
-        async def send() -> str | None:
-            try:
-                return await asyncio.wait_for(send_change(counted, round_id, weight, serialized), timeout)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a carrier that refused early resets the stream still being written; gone; ...
-                return f"{type(e).__name__}: {str(e)[:60]}"
-        return asyncio.run_coroutine_threadsafe(send(), self._loop)
 
     # ---- accounting and lifetime ---------------------------------------------------------------------------
 

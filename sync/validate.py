@@ -14,10 +14,10 @@ import torch
 # "malformed" is a response that could not even be decoded into named tensors (counted by sync.transfer);
 # "missing" .. "norm" are produced by validate_tensors; the rest by the defences against hostile peers
 # (docs/DESIGN.md, "Hostile peers"):
-#   delta        a received value whose change from the last synchronized one is out of proportion to an honest
-#                round's change (shared all-reduce result, expert copy, downloaded state);
-#   weight       an all-reduce part whose claimed weight was not finite or above the per-round token cap;
-#   unauthorized a request or group member without a valid ticket in a closed run;
+#   delta        a received change out of proportion to an honest round's (a single owner's expert change, a
+#                downloaded expert copy);
+#   weight       a contribution whose claimed weight is above the per-round token cap (counted at the cap);
+#   unauthorized a request without a valid ticket in a closed run;
 #   record       a DHT record refused by the record validator (unsigned, forged, malformed, far-future);
 #   digest       a contribution whose bytes do not match the digest its signed record announced;
 #   size         a contribution announced at another size than the run's codec gives for its tensors;
@@ -28,8 +28,7 @@ REJECT_REASONS = ("missing", "shape", "dtype", "nonfinite", "norm", "malformed",
 
 class RejectCounter:
     """Counts of refused receptions per reason, in shared memory: refusals happen in the peer's threads and
-    in its forked hivemind processes (the DHT validates records, the averager reduces parts), and are all
-    read here. Create it before those processes start so they inherit it."""
+    in its forked hivemind DHT process (it validates records), and are all read here. Create it before those processes start so they inherit it."""
 
     def __init__(self) -> None:
         self._counts = mp.Array("q", len(REJECT_REASONS), lock=True)

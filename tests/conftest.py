@@ -70,11 +70,6 @@ def sync_cfg(**kw) -> SyncConfig:
     return SyncConfig(**base)
 
 
-def allreduce_cfg(**kw) -> SyncConfig:
-    """The all-reduce protocol (sync/shared.py), for the tests of its own mechanisms while it remains."""
-    return sync_cfg(**{"protocol": "allreduce", "compression": "none", **kw})
-
-
 @torch.no_grad()
 def local_training(peer: Peer, seed: int) -> None:
     """Change what this peer trains (shared params, owned experts) as a few local steps would."""
@@ -105,7 +100,7 @@ def swarm_factory():
     peers: list[Peer] = []
     first_maddrs: list[str] = []
 
-    def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True, bandwidth: float | None = None,
+    def make(owned: list[int], cfg: SyncConfig | None = None, join: bool = True,
              auto: bool = False, run_id: str = "test-run", rejects: RejectCounter | None = None,
              model_cfg: ModelConfig = MODEL, **sync_options) -> Peer:
         # auto: as --experts auto (the first peer owns `owned` and takes care of the rest, a joiner chooses as many
@@ -122,7 +117,7 @@ def swarm_factory():
         if auto and join and peers:  # a joiner with --experts auto: chosen from the records, as peer.run does
             owned = swarm.choose_auto(len(owned))
         model = SpesMoE(model_cfg, owned_experts=owned, seed=0)
-        peer = Peer(model, swarm, SparseSync(model, swarm, cfg, bandwidth=bandwidth, rejects=rejects,
+        peer = Peer(model, swarm, SparseSync(model, swarm, cfg, rejects=rejects,
                                              **sync_options))
         peers.append(peer)
         if join:

@@ -45,6 +45,8 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo  # noqa: 
 from hivemind.utils.logging import get_logger  # noqa: E402
 from hivemind.utils.multiaddr import Multiaddr  # noqa: E402
 
+from sync.hivemind_private import daemon_connect  # noqa: E402
+
 logger = get_logger(__name__)
 
 CHUNK = 1 << 16
@@ -221,7 +223,7 @@ async def handle(p2p: P2P, req: dict) -> dict:
         maddr, peer = daemon_multiaddr(head), PeerID.from_base58(peer_b58)
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(p2p._client.connect(peer, [maddr]), float(req.get("timeout", 10)))
+            await asyncio.wait_for(daemon_connect(p2p, peer, [maddr]), float(req.get("timeout", 10)))
             return {"ok": True, "seconds": round(time.monotonic() - t0, 3)}
         except Exception as e:
             return {"ok": False, "seconds": round(time.monotonic() - t0, 3), "error": f"{type(e).__name__}: {e}"}
@@ -229,7 +231,7 @@ async def handle(p2p: P2P, req: dict) -> dict:
         peer = PeerID.from_base58(req["peer"])
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(p2p._client.connect(peer, []), float(req.get("timeout", 10)))
+            await asyncio.wait_for(daemon_connect(p2p, peer, []), float(req.get("timeout", 10)))
             via = [str(a) for info in await p2p.list_peers() if info.peer_id == peer for a in info.addrs]
             return {"ok": True, "seconds": round(time.monotonic() - t0, 3), "via": via}
         except Exception as e:

@@ -1,13 +1,11 @@
 """Hostile volunteers (issue 9): the defended behaviour, against attackers from bench/adversary.py.
 
-The in-process tests here attack the all-reduce protocol (`sync.protocol: allreduce`, no longer the default);
-the contribution protocol's attacks are in tests/test_contributions.py and the smoke run below.
-
 (a) In one pytest process: two honest `SparseSync` peers on real hivemind DHTs (as in tests/test_swarm.py) and
-one attacker started through `bench.adversary.start_attacker`; each test asserts what issue 9 asks of the honest
-peers: they keep averaging with each other, stay finite, the liar's round counter and forged records do not move
-them, an expert is not taken over, a silent owner costs one timeout at most, and refusals are counted in
-`sync.rejects.counts()`. (b) A slow smoke run of `python -m bench.byzantine` on one attack at a tiny scale.
+one attacker started through `bench.adversary.start_attacker`, attacking records: each test asserts that the
+honest peers keep aggregating each other's contributions, that the liar's round counter and forged records do not
+move them, that a silent owner costs one wait at most, and that refusals are counted in `sync.rejects.counts()`.
+Hostile contributions (garbage, huge, scaled, reversed, stale blobs...) are tested in tests/test_contributions.py
+and measured by bench.byzantine. (b) A slow smoke run of `python -m bench.byzantine` on one attack at a tiny scale.
 
 Peer a owns experts 0-1 and peer b expert 2; expert 3 is owned by nobody (the attackers' "spare" claim).
 """
@@ -25,7 +23,7 @@ from bench.adversary import start_attacker
 from peer.config import RunConfig
 from sync.config import SyncConfig
 from sync.validate import RejectCounter
-from tests.conftest import MODEL, REPO, Peer, allreduce_cfg as _sync_cfg
+from tests.conftest import MODEL, REPO, Peer, sync_cfg as _sync_cfg
 
 RUN_ID = "byz-test"
 TOKENS = 128  # what each honest peer claims per round: a full round at the run's batch settings (the weight cap)
@@ -62,10 +60,6 @@ def _shared(peer: Peer) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for _, p in peer.model.shared_parameters()])
 
 
-def _expert(peer: Peer, expert: int) -> torch.Tensor:
-    return torch.cat([t.detach().float().flatten() for t in peer.model.expert_tensors(expert).values()])
-
-
 @torch.no_grad()
 def _train(peer: Peer, round_seed: int, peer_seed: int) -> None:
     """What a few local steps do: a change common to all peers (the gradient signal) plus a smaller own part."""
@@ -91,75 +85,14 @@ def _round(peers: list[Peer], seed: int):
     return reports, before, torch.stack(sent).mean(0)
 
 
-def _cos(x: torch.Tensor, y: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(x, y, dim=0)) if x.norm() > 0 and y.norm() > 0 else 0.0
-
-
 def _rejected(peers: list[Peer], reasons: set[str] | None = None) -> int:
     return sum(n for p in peers for r, n in p.sync.rejects.counts().items() if reasons is None or r in reasons)
 
 
 def _assert_keep_averaging(reports) -> None:
     assert all(r is not None for r in reports), reports
-    assert all(r.group_size >= 2 for r in reports), f"honest peers stopped averaging: {[r.group_size for r in reports]}"
+    assert all(r.group_size >= 2 for r in reports), f"honest peers stopped aggregating: {[r.group_size for r in reports]}"
     assert all(r.round_id <= ROUNDS + 2 for r in reports), [r.round_id for r in reports]
-
-
-# With two honest peers the attacker is 1 of 3 in the group (issue 9's criterion is 1 of 4), so the bound is
-# what robust aggregation can promise there: the attacker never moves the result further from the honest mean
-# than one honest change (BOUND, in units of that change), and at least PROGRESS of the honest change (projected
-# on its direction) survives. Undefended, a x1e6 or NaN part breaks the first and stale weights the second.
-BOUND, PROGRESS = 1.0, 0.25
-
-
-@pytest.mark.parametrize("attack", ["nan", "scale", "stale", "signflip"])
-def test_shared_allreduce_attacker_moves_the_average_by_a_bounded_amount(honest, attack):
-    cfg = _sync_cfg()
-    a, b = _pair(honest, cfg)
-    attacker = start_attacker(attack, _initial(a), _run_cfg(cfg), wait_peers=2)
-    try:
-        for r in range(ROUNDS):
-            reports, before, honest_mean = _round([a, b], seed=10 + r)
-            _assert_keep_averaging(reports)
-            for peer, start in zip((a, b), before):
-                now = _shared(peer)
-                assert bool(torch.isfinite(now).all()), f"round {r + 1}: non-finite shared tensors"
-                change = float((honest_mean - start).norm())
-                moved = float((now - honest_mean).norm())
-                assert moved < BOUND * change, \
-                    f"round {r + 1}: the attacker moved the average by {moved:.4g} (> {BOUND} x {change:.4g})"
-                direction = (honest_mean - start) / max(change, 1e-12)
-                kept = float((now - start) @ direction) / max(change, 1e-12)
-                assert kept >= PROGRESS, f"round {r + 1}: only {kept:.2f} of the honest change survived"
-        assert attacker.stats.allreduce_joined >= 1, "the attacker never got into a group: the test is vacuous"
-        if attack != "signflip":  # an in-bound update is bounded, not refused; the others are out of bounds
-            assert _rejected([a, b]) >= 1, "no refusal counted (issue 9: 'no refusal or warning anywhere')"
-    finally:
-        attacker.shutdown()
-
-
-def test_expert_attacker_does_not_take_over_an_honest_owners_expert(honest):
-    cfg = _sync_cfg()
-    a, b = _pair(honest, cfg)
-    attacker = start_attacker("expert", _initial(a), _run_cfg(cfg), wait_peers=2)
-    try:
-        assert attacker.stats.claimed == [0], attacker.stats
-        hostile = torch.cat([t.flatten() for t in attacker.served[0].values()])
-        for r in range(ROUNDS):
-            before = _expert(a, 0)
-            reports, _, _ = _round([a, b], seed=20 + r)
-            _assert_keep_averaging(reports)
-            for name, peer in (("owner", a), ("non-owner", b)):
-                cos = _cos(_expert(peer, 0), hostile)
-                assert cos < 0.5, f"round {r + 1}: the {name}'s expert 0 has cosine {cos:.4f} to the attacker's copy"
-            own = _cos(_expert(a, 0), before)
-            assert own > 0.95, f"round {r + 1}: the owner's expert 0 left its own value (cosine {own:.4f})"
-            same = _cos(_expert(b, 0), _expert(a, 0))
-            assert same > 0.99, f"round {r + 1}: the non-owner's expert 0 is not the owner's (cosine {same:.4f})"
-        assert attacker.stats.served_rounds >= 1
-        assert _rejected([a, b]) >= 1, "no refusal counted"
-    finally:
-        attacker.shutdown()
 
 
 def test_round_liar_does_not_move_the_round_counter(honest):
@@ -175,24 +108,6 @@ def test_round_liar_does_not_move_the_round_counter(honest):
         assert a.sync.round_id <= ROUNDS + 1 and b.sync.round_id <= ROUNDS + 1, (a.sync.round_id, b.sync.round_id)
         # ...and the honest peers still read each other's records
         assert b.swarm.peer_id in a.swarm.peers() and a.swarm.peer_id in b.swarm.peers()
-    finally:
-        attacker.shutdown()
-
-
-def test_state_hijack_does_not_reach_the_honest_model(honest):
-    cfg = _sync_cfg()
-    a, b = _pair(honest, cfg)
-    attacker = start_attacker("state", _initial(a), _run_cfg(cfg), wait_peers=2)
-    try:
-        time.sleep(2.0)
-        norm0 = float(_shared(a).norm())
-        for r in range(ROUNDS):
-            reports, _, _ = _round([a, b], seed=40 + r)
-            _assert_keep_averaging(reports)
-            for peer in (a, b):
-                ratio = float(_shared(peer).norm()) / norm0
-                assert 0.5 < ratio < 2.0, f"round {r + 1}: shared norm x{ratio:.3g} after the state hijack"
-        assert a.sync.round_id <= ROUNDS + 1 and b.sync.round_id <= ROUNDS + 1, (a.sync.round_id, b.sync.round_id)
     finally:
         attacker.shutdown()
 
@@ -239,7 +154,7 @@ def test_byzantine_bench_smoke(tmp_path):
     """One attack arm at the quick scale (no baseline arm, to stay under a minute): the bench runs real
     `peer.run` processes and an attacker process, leaves nothing running and writes its table."""
     out, work = tmp_path / "results", tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "bench.byzantine", "--quick", "--protocol", "contributions",
+    proc = subprocess.run([sys.executable, "-m", "bench.byzantine", "--quick",
                            "--attacks", "c_scale", "--baselines", "",
                            "--out", str(out), "--work-dir", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=240)

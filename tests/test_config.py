@@ -39,7 +39,7 @@ def test_overrides_apply_in_order_and_parse_types():
     ("sync.compression=zip", "sync.compression"),
     ("train.device=tpu", "train.device"),
     ("sync=3", "expected a mapping"),
-    ("sync.target_group_size=1", "sync.target_group_size"),
+    ("sync.protocol=allreduce", "unknown config key 'sync.protocol'"),
     ("sync.wait_for_peers=-1", "sync.wait_for_peers"),
     ("train.own_expert_bias=-1", "train.own_expert_bias "),
     ("train.own_expert_bias=nan", "train.own_expert_bias "),

@@ -14,7 +14,7 @@ BF16_MODEL = ModelConfig(**{**MODEL.__dict__, "frozen_expert_dtype": "bfloat16"}
 
 
 def contrib_cfg(**kw):
-    return sync_cfg(protocol="contributions", **kw)
+    return sync_cfg(**kw)
 
 
 def expert_values(peer, expert: int) -> dict[str, torch.Tensor]:
@@ -232,7 +232,7 @@ def test_peer_processes_contribute_and_agree(tmp_path, processes):
     peers = [processes.start(peer_cmd(
         "--config", "configs/tiny.yaml", "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
         "--run-dir", str(tmp_path / f"peer{i}"), "--run-id", "contrib", "--max-steps", "60", "--sync-every", "10",
-        "--set", "sync.protocol=contributions", "--set", "sync.compression=sparse",
+        "--set", "sync.compression=sparse",
         "--set", "sync.sparse.keep_residual=true", "--set", "sync.matchmaking_time=3",
         "--set", "train.eval_every=0", "--set", "sync.wait_for_peers=3"), log=tmp_path / f"peer{i}.log")
         for i in range(3)]

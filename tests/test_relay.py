@@ -13,6 +13,7 @@ from typing import Any
 import hivemind
 import pytest
 from hivemind.p2p import PeerID
+from sync.hivemind_private import daemon_connect, daemon_disconnect
 
 from tests.netlab_p2p import daemon_multiaddr
 from sync.relay import MAX_MESSAGE, RelayKeeper, RelayReplyError, _read_message, parse_reservation
@@ -78,15 +79,15 @@ async def _dial_via_relay(relay_maddr: str, target: str, _dht: hivemind.DHT, nod
     p2p = node.protocol.p2p
     peer = PeerID.from_base58(target)
     try:
-        await p2p._client.disconnect(peer)  # a connection from an earlier check would make connect a no-op
-        await p2p._client.connect(peer, [daemon_multiaddr(f"{relay_maddr}/p2p-circuit")])
+        await daemon_disconnect(p2p, peer)  # a connection from an earlier check would make connect a no-op
+        await daemon_connect(p2p, peer, [daemon_multiaddr(f"{relay_maddr}/p2p-circuit")])
         return ""
     except Exception as e:
         return str(e)
 
 
 async def _drop_connection(peer_b58: str, _dht: hivemind.DHT, node: Any) -> None:
-    await node.protocol.p2p._client.disconnect(PeerID.from_base58(peer_b58))
+    await daemon_disconnect(node.protocol.p2p, PeerID.from_base58(peer_b58))
 
 
 def _dial_ok_within(fresh: hivemind.DHT, dial: Any, seconds: float) -> str:

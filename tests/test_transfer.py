@@ -12,12 +12,12 @@ import uuid
 import hivemind
 import pytest
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
-from sync.transfer import ExpertExchange, patch_hivemind_8bit_decoder
+from sync.transfer import ExpertExchange
 from sync.validate import REJECT_REASONS, RejectCounter, validate_tensors
 
 D_MODEL, HIDDEN = 64, 128
@@ -124,13 +124,17 @@ def test_bf16_copies_are_the_fp32_values_rounded_in_half_the_bytes(dhts, make_ex
         assert entry.tensors is None and set(entry.serialized) == {False, True}
         assert torch.equal(b.fetch(a.peer_id, 5, 2, timeout=20, bf16=True)["layers.0.down_proj"],
                            expert["layers.0.down_proj"].to(torch.bfloat16))
+    # An unknown request key is ignored: served directly, in bf16.
+    raw = MSGPackSerializer.dumps({"bf16": True, "via": True, "min_round": 2})
+    meta, groups = asyncio.run_coroutine_threadsafe(b._request(a.peer_id, "5@2", raw), b._loop).result(timeout=10)
+    assert meta == {"names": list(expert), "round": 2} and [g[0].dtype for g in groups] == ["bfloat16"] * len(expert)
     ns = fresh_namespace()
     a, b = make_exchange(dht_a, ns, compression="fp16"), make_exchange(dht_b, ns, compression="fp16")
     a.publish(2, 5, expert)
     got, plain = b.fetch(a.peer_id, 5, 2, timeout=20, bf16=True), b.fetch(a.peer_id, 5, 2, timeout=20)
     assert got is not None and plain is not None  # the codec's form, not bf16
     assert all(got[n].dtype == plain[n].dtype and torch.equal(got[n], plain[n]) for n in expert)
-    for options in ({"bf16": 1}, {"bf16": "yes"}, {"bf16": None}, {"bf16": True, "via": 1}):
+    for options in ({"bf16": 1}, {"bf16": "yes"}, {"bf16": None}, {"bf16": True, "min_round": -1}):
         raw = MSGPackSerializer.dumps(options)
         meta, _ = asyncio.run_coroutine_threadsafe(b._request(a.peer_id, "5@2", raw), b._loop).result(timeout=10)
         assert meta == {"error": "bad request"}, options
@@ -253,7 +257,7 @@ class _HostileExchange(ExpertExchange):
     script: list[runtime_pb2.ExpertResponse] = []
     stall_s = 0.0
 
-    async def _serve(self, uid, metadata=b"", requester=None):
+    async def _serve(self, uid, metadata=b""):
         for message in self.script:
             yield message
         await asyncio.sleep(self.stall_s)
@@ -281,12 +285,6 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
         [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1})),
          runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(
              compression=runtime_pb2.UNIFORM_8BIT, buffer=b"\x05" + b"\0" * 40, size=[4], dtype="float32")])],
-        # Copies passed on (sync/copies.py): a digest that is not 32 bytes, or does not match; leave that is not a
-        # bool; a redirect without a digest, or one this fetcher did not allow (it asked without "via").
-        *[[runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a"], "round": 1, **extra})),
-           runtime_pb2.ExpertResponse(tensors=good_part)]
-          for extra in ({"digest": b"\0" * 31}, {"digest": b"\0" * 32}, {"relay": 1}, {"redirect": b"\1" * 34},
-                        {"redirect": b"\1" * 34, "digest": b"\0" * 32})],
         [],  # empty stream: our server always answers something, so nothing arrived: incomplete, not counted
     ]
     for i, script in enumerate(cases):
@@ -328,106 +326,52 @@ def dht_d(dhts):
         dht.join(timeout=10)
 
 
-def _fetch_all(fetchers: list[ExpertExchange], owner: ExpertExchange, expert: int, round_id: int) -> list:
-    futures = [f.fetch_async(owner.peer_id, expert, round_id, timeout=30, bf16=True) for f in fetchers]
-    return [future.result(timeout=40) for future in futures]
-
-
-@pytest.mark.parametrize("pass_on", [False, True])
-def test_slow_owner_sends_each_bf16_copy_once(dhts, dht_d, make_exchange, pass_on):
-    """With pass_copies_on (a slow uplink), three requesters asking at once for the same bf16 copy cost the owner
-    one copy's bytes: the others are sent to the first and get exactly the owner's values from it. Off, each
-    requester gets its own copy from the owner."""
+def test_concurrent_bf16_requesters_each_get_the_owners_copy(dhts, dht_d, make_exchange):
+    """Three requesters asking at once for the same bf16 copy each get it from the owner, exactly the fp32 values
+    rounded; full-precision fetches of the same entry afterwards are still exact."""
     ns = fresh_namespace()
     owner = make_exchange(dhts[0], ns)
-    owner.pass_copies_on = pass_on
     fetchers = [make_exchange(dht, ns) for dht in (dhts[1], dhts[2], dht_d)]
     expert = make_expert(21)
     owner.publish(3, 7, expert)
-    results = _fetch_all(fetchers, owner, 7, 3)
+    futures = [f.fetch_async(owner.peer_id, 7, 3, timeout=30, bf16=True) for f in fetchers]
     one_copy = sum(t.numel() * 2 for t in expert.values())  # bf16
-    for got in results:
+    for future in futures:
+        got = future.result(timeout=40)
         assert got is not None and got.round == 3
         for name, ref in expert.items():
             assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], ref.to(torch.bfloat16)), name
     assert sum(f.rejects.total() for f in fetchers) == 0
-    sent_on = sum(f.bytes_sent["expert"] for f in fetchers)
-    if pass_on:
-        assert owner.bytes_sent["expert"] == one_copy and sent_on == 2 * one_copy
-        assert owner.redirects["sent"] == 2 and sum(f.redirects["followed"] for f in fetchers) == 2
-        assert sum(f.held.count() for f in fetchers) == 1  # only the one the owner served keeps it to pass on
-    else:
-        assert owner.bytes_sent["expert"] == 3 * one_copy and sent_on == 0
-        assert owner.redirects["sent"] == 0 and sum(f.held.count() for f in fetchers) == 0
-    # Full-precision fetches (co-owners) are never sent elsewhere.
+    assert owner.bytes_sent["expert"] == 3 * one_copy and sum(f.bytes_sent["expert"] for f in fetchers) == 0
     assert all(torch.equal(f.fetch(owner.peer_id, 7, 3, timeout=20)["layers.0.down_proj"], expert["layers.0.down_proj"])
                for f in fetchers)
 
 
-def test_a_request_during_serialization_gets_the_digest_too(dhts, make_exchange, monkeypatch):
-    """A bf16 form becomes visible to other requests only with its digest: a request arriving while the first
-    one's serialization was hashing got an empty digest, refused as malformed (seen in bench.wan `mixed`)."""
+def test_a_request_during_serialization_shares_it(dhts, make_exchange, monkeypatch):
+    """A request for a form that another request is still serializing waits for that serialization (one job per
+    form) and gets the same, complete copy."""
     import sync.transfer
 
-    real = sync.transfer.digest_serialized
+    real, calls = sync.transfer.ExpertExchange._serialize_entry, []
 
-    def slow_digest(*args):
+    def slow_serialize(self, entry, bf16):
+        calls.append(bf16)
         time.sleep(1.0)
-        return real(*args)
+        return real(self, entry, bf16)
 
-    monkeypatch.setattr(sync.transfer, "digest_serialized", slow_digest)
+    monkeypatch.setattr(sync.transfer.ExpertExchange, "_serialize_entry", slow_serialize)
     ns = fresh_namespace()
     owner, first, second = (make_exchange(dht, ns) for dht in dhts)
-    owner.publish(1, 4, make_expert(23))
+    expert = make_expert(23)
+    owner.publish(1, 4, expert)
     early = first.fetch_async(owner.peer_id, 4, 1, timeout=20, bf16=True)
     time.sleep(0.5)
     late = second.fetch_async(owner.peer_id, 4, 1, timeout=20, bf16=True)
-    assert early.result(timeout=30) is not None and late.result(timeout=30) is not None
+    for got in (early.result(timeout=30), late.result(timeout=30)):
+        assert got is not None
+        assert all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in expert.items())
+    assert calls == [True]
     assert first.rejects.total() == second.rejects.total() == 0
-
-
-def test_copy_passed_on_wrong_is_refused_and_fetched_from_the_owner(dhts, dht_d, make_exchange):
-    """A holder whose copy does not match the owner's digest (altered, or hostile) costs the requester one
-    refusal and a second request to the owner, which then serves it itself and names that holder to nobody."""
-    ns = fresh_namespace()
-    owner = make_exchange(dhts[0], ns)
-    owner.pass_copies_on = True
-    holder, second, third = (make_exchange(dht, ns) for dht in (dhts[1], dhts[2], dht_d))
-    expert = make_expert(22)
-    owner.publish(4, 2, expert)
-    assert holder.fetch(owner.peer_id, 2, 4, timeout=20, bf16=True) is not None and holder.held.count() == 1
-
-    def alter() -> None:  # on the holder's loop, where its held copies live
-        (held,) = holder.held._by_expert[2]
-        part = held.groups[0][0]
-        part.buffer = bytes([part.buffer[0] ^ 1]) + part.buffer[1:]
-
-    holder._loop.call_soon_threadsafe(alter)
-    got = second.fetch(owner.peer_id, 2, 4, timeout=20, bf16=True)
-    assert got is not None and torch.equal(got["layers.1.down_proj"], expert["layers.1.down_proj"])
-    assert second.rejects.counts()["malformed"] == 1 and second.redirects["followed"] == 1
-    assert owner.redirects["sent"] == 1
-    got = third.fetch(owner.peer_id, 2, 4, timeout=20, bf16=True)  # served by the owner: no holder left to name
-    assert got is not None and third.redirects["followed"] == 0 and third.rejects.total() == 0
-    assert owner.redirects["sent"] == 1
-
-
-def test_copies_held_while_a_slow_uplinks_all_reduce_runs_go_out_after_it(dhts, make_exchange):
-    """A slow uplink still in an all-reduce group holds the copies asked meanwhile (sync.copies_during_allreduce)
-    until its all-reduce is done: its group waits for its part, the copies' fetchers only for the copies."""
-    dht_a, dht_b, _ = dhts
-    ns = fresh_namespace()
-    a, b = make_exchange(dht_a, ns), make_exchange(dht_b, ns)
-    expert = make_expert(3)
-    a.publish(1, 2, expert)
-    with a.copies_held(True):
-        asked = b.fetch_async(a.peer_id, 2, 1, timeout=30)
-        time.sleep(1.5)
-        assert not asked.done() and a.bytes_sent["expert"] == 0
-    got = asked.result(timeout=20)
-    assert got is not None and all(torch.equal(got[n], t) for n, t in expert.items())
-    with a.copies_held(False):  # a fast uplink holds nothing
-        assert b.fetch(a.peer_id, 2, 1, timeout=20) is not None
 
 
 def test_fetch_async_two_owners(dhts, make_exchange):
@@ -452,15 +396,6 @@ def test_shutdown_is_idempotent(dhts):
     exchange.shutdown()
     assert not exchange._thread.is_alive()
     assert exchange.fetch_async(exchange.peer_id, 0, 0, timeout=1).result() is None
-
-
-def test_patched_hivemind_8bit_decoder():
-    # hivemind 1.1.12's Quantization.extract fails on numpy 2 (int() of a 1-element array); averagers need the patch.
-    patch_hivemind_8bit_decoder()
-    tensor = torch.randn(10_000)
-    for dtype in (torch.float32, torch.bfloat16):
-        decoded = deserialize_torch_tensor(serialize_torch_tensor(tensor.to(dtype), runtime_pb2.UNIFORM_8BIT))
-        assert decoded.dtype == dtype and ((decoded.float() - tensor).norm() / tensor.norm()) < 0.05
 
 
 # ---- validate_tensors unit tests (no network) ----------------------------------------------------------------
