@@ -130,7 +130,7 @@ class NetworkConfig:
     """Behind NAT: reserve a slot on the initial peers as libp2p circuit relays, so that every peer can reach
     this one by its peer ID; bulk data goes over connections this peer opens itself (--use-auto-relay)."""
     client_mode: bool = False
-    """Behind NAT: run the DHT and the averagers as hivemind clients, which only make requests (--client-mode)."""
+    """Behind NAT: run the DHT as a hivemind client, which only makes requests (--client-mode)."""
     join_timeout_s: float = 20.0
     """How long to keep trying the initial peers at start before exiting with "cannot reach any initial peer": a
     home line's first connection can fail, a bootstrap node may be restarting (0 = one attempt)."""

@@ -84,7 +84,7 @@ class PeerNode:
         self._started = time.perf_counter()
         self._tokens_at_round, self._step_at_round = 0, 0
         data_seed = None
-        # Shared memory, created before the DHT and averager processes fork: they count refusals into it too.
+        # Shared memory, created before the DHT process forks: it counts refused records into it too.
         self.rejects = RejectCounter()
         self.admission = None
         syncing = cfg.sync.every > 0
@@ -289,7 +289,7 @@ class PeerNode:
         self.trainer.run()
 
     def shutdown(self) -> None:
-        """Leave the swarm cleanly (record withdrawn, averager and DHT stopped). Idempotent."""
+        """Leave the swarm cleanly (record withdrawn, exchanges and DHT stopped). Idempotent."""
         if self.metrics is not None:
             self.metrics.stop_peer_refresh()  # it reads the DHT that is about to stop
         if self.swarm is None:
@@ -309,7 +309,7 @@ class PeerNode:
             self.sync.shutdown(finished=done)
         else:
             self.swarm.shutdown(withdraw=False)
-        logger.info(f"[{self.cfg.run_id} {self.short_id}] left the swarm: DHT and averagers stopped in "
+        logger.info(f"[{self.cfg.run_id} {self.short_id}] left the swarm: DHT stopped in "
                     f"{time.perf_counter() - start:.1f}s")
         self.sync = None
         self.swarm = None

@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "that every peer can reach this one by peer ID; tensors still go over connections this peer "
                         "opens itself (config: network.use_auto_relay)")
     p.add_argument("--client-mode", action="store_true", default=None,
-                   help="behind NAT without port forwarding: run the DHT and averagers as hivemind clients, which "
-                        "only make requests; experts are served over connections this peer opens to the run's "
+                   help="behind NAT without port forwarding: run the DHT as a hivemind client, which "
+                        "only makes requests; contributions and experts are served over connections this peer opens to the run's "
                         "peers (config: network.client_mode)")
     p.add_argument("--init-from", metavar="DIR",
                    help="start a new run from the weights python -m model.upcycle wrote to DIR (ignored when the run "
@@ -178,8 +178,8 @@ def _p2pd_preexec() -> None:
 def keep_p2pd_out_of_terminal_signals() -> None:
     """Start hivemind's p2pd daemons outside the terminal's process group. Idempotent.
 
-    Ctrl-C in a terminal sends SIGINT to the whole foreground process group. hivemind's DHT and averager
-    processes ignore it, but p2pd exits at once, so the peer could not finish its round, withdraw its record
+    Ctrl-C in a terminal sends SIGINT to the whole foreground process group. hivemind's DHT process
+    ignores it, but p2pd exits at once, so the peer could not finish its round, withdraw its record
     or shut down cleanly. hivemind offers no option for this, so the one asyncio call that spawns p2pd gets
     a preexec_fn (inherited by the DHT process forked later).
     """
@@ -206,7 +206,7 @@ def children_die_with_this_peer() -> None:
     """Every process forked from the calling (main) thread from now on gets SIGTERM when this process dies,
     however it dies. Idempotent; Linux only.
 
-    hivemind's DHT and averager processes are multiprocessing children: a clean exit stops them, but a peer
+    hivemind's DHT process is a multiprocessing child: a clean exit stops it, but a peer
     killed with SIGKILL (the kernel's OOM killer) left them running with parent PID 1, minutes later, holding
     gigabytes and the port. SIGTERM ends them (StopOnSignal restores the default action in forked children), and
     their p2pd dies with them (`_p2pd_preexec`). Only forks from this thread: the kernel sends the signal when the

@@ -42,7 +42,7 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._pid:
-            # A process forked while this handler was installed (hivemind's DHT and averagers): it must die on
+            # A process forked while this handler was installed (hivemind's DHT process): it must die on
             # SIGTERM as usual, or hivemind's terminate() of a stuck child would not end it.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

@@ -58,8 +58,7 @@ def median_distance(x_NP: torch.Tensor, median_P: torch.Tensor | None = None,
 def centered_clip(x_NP: torch.Tensor, w_N: torch.Tensor, clip_factor: float = 2.5, iters: int = 50) -> torch.Tensor:
     """Robust weighted mean of finite rows `x_NP` with non-negative weights `w_N` (module docstring).
 
-    With fewer than 3 rows there is no majority to stand on: the plain weighted mean is returned (the receivers'
-    own bound on the change then decides, see sync.shared.SharedAverager.apply)."""
+    With fewer than 3 rows there is no majority to stand on: the plain weighted mean is returned."""
     return centered_clip_outliers(x_NP, w_N, clip_factor, iters)[0]
 
 

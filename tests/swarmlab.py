@@ -108,7 +108,7 @@ def wait_rounds(proc: NsProcess, count: int, timeout: float, min_group: int = 1,
 class CpuQuota:
     """A cgroup (v2 or v1 `cpu` controller) limiting its processes to `cores` CPU cores: a slower machine.
 
-    Processes join with `add(pid)`; their children (hivemind's DHT/averager processes, p2pd) inherit it."""
+    Processes join with `add(pid)`; their children (hivemind's DHT process, p2pd) inherit it."""
 
     PERIOD_US = 100_000
 

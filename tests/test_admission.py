@@ -342,7 +342,7 @@ def test_gate_admits_ticket_holders_until_revoked(org, dhts):
     assert not gate.admits_sync(stranger.peer_id)
     assert not gate.admits_sync(PEER_A) and not gate.admits_sync(PEER_B) and not gate.admits_sync("garbage")
 
-    # The gate is forked with the averagers: it must answer from a forked process as well.
+    # The gate must answer from a forked process as well (the DHT process validates records).
     receiver, sender = mp.get_context("fork").Pipe(duplex=False)
     child = mp.get_context("fork").Process(target=_fork_admits, args=(gate, [holder_id, stranger_id], sender))
     child.start()

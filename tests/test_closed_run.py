@@ -1,5 +1,5 @@
 """A closed run end to end (issue 9.3, docs/DESIGN.md "Closed runs"): two ticketed peers and a stranger with only
-the initial peer's address, all real hivemind DHTs, averagers and expert exchanges in one process. The stranger
+the initial peer's address, all real hivemind DHTs and exchanges in one process. The stranger
 gets nothing at any door — its record is not read, its expert, state and contribution requests are refused, no
 admitted peer aggregates anything of it — and a peer revoked while the run is live is dropped."""
 from __future__ import annotations

@@ -102,7 +102,7 @@ def test_three_times_slower_peer_joins_the_rounds_without_stalling_the_fast_ones
         every = 100  # compute, not matchmaking, sets the pace: 100 fast steps take seconds here
         peers = {n: spes_peer(netlab, n, initial, e, *FLAGS, steps=100_000, every=every)
                  for n, e in (("fa", "0"), ("fb", "1"), ("slow", "2-3"))}
-        quota.add(peers["slow"].pid)  # before it forks its DHT and averager: they inherit the limit
+        quota.add(peers["slow"].pid)  # before it forks its DHT process: it inherits the limit
         wait_rounds(peers["fa"], 5, 240, min_group=3)
         _stop(list(peers.values()))
     finally:

@@ -132,7 +132,7 @@ def test_robust_mean_of_expert_copies():
 
 
 def test_nonfinite_loss_right_after_a_round_rolls_back_and_training_goes_on(tmp_path):
-    """A real lone peer (DHT, averager, rounds): right after round 1 is applied, a shared weight turns NaN (as if
+    """A real lone peer (DHT, rounds): right after round 1 is applied, a shared weight turns NaN (as if
     something had slipped through every check). The next step's loss is NaN: the peer restores the values from
     before that round, counts it, and finishes its run with a finite loss instead of dying."""
     from peer.config import load_config, parse_override
