@@ -166,9 +166,8 @@ class Attacker(ContribAttacks):
 
     # ---- a peer-like attacker (SparseSync) ----------------------------------------------------------------
 
-    def _start_peer(self, deadline: float) -> None:
-        from model.model import SpesMoE
-        from sync.rounds import SparseSync
+    def _join_dht(self, deadline: float) -> dict:
+        """Start this attacker's DHT node and Swarm; returns the honest peers' records once they are there."""
         from sync.swarm import Swarm, start_dht
 
         # Whatever the project's peers pass to start their DHT node (run_id, ... once records are signed and
@@ -178,7 +177,13 @@ class Attacker(ContribAttacks):
             record_ttl=self.cfg.sync.record_ttl))
         self.swarm = Swarm(dht, self.cfg.run_id, self.cfg.model.num_experts, ttl=self.cfg.sync.record_ttl)
         self.stats.peer_id = self.swarm.peer_id
-        others = self._wait_for_honest(deadline)
+        return self._wait_for_honest(deadline)
+
+    def _start_peer(self, deadline: float) -> None:
+        from model.model import SpesMoE
+        from sync.rounds import SparseSync
+
+        others = self._join_dht(deadline)
         claims = self._choose_claims(others)
         self.stats.claimed = claims
         self.model = SpesMoE(self.cfg.model, owned_experts=claims, seed=self.cfg.train.seed)

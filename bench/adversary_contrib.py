@@ -253,13 +253,7 @@ class ContribAttacks:
 
     def _start_copyset(self, deadline: float) -> None:
         """A signed record copying one honest peer's exact expert set; no SparseSync, no exchange."""
-        from sync.swarm import Swarm, start_dht
-        dht = start_dht(self.initial_peers, self.host_maddrs, **supported_kwargs(
-            start_dht, run_id=self.cfg.run_id, num_experts=self.cfg.model.num_experts,
-            record_ttl=self.cfg.sync.record_ttl))
-        self.swarm = Swarm(dht, self.cfg.run_id, self.cfg.model.num_experts, ttl=self.cfg.sync.record_ttl)
-        self.stats.peer_id = self.swarm.peer_id
-        others = self._wait_for_honest(deadline)
+        others = self._join_dht(deadline)
         target = min((r for r in others.values() if r.experts), key=lambda r: (len(r.experts), sorted(r.experts)))
         self.stats.copied = self.stats.claimed = sorted(target.experts)
         self.swarm.publish(experts=self.stats.claimed, round=min(r.round for r in others.values()),
