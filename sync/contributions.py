@@ -167,7 +167,9 @@ class Contributions(Repair):
         report.timing["contribute"] = time.perf_counter() - started
         # Waiting, all of it, is bounded: announcements within round_timeout, blobs by matchmaking_time more.
         ends = time.monotonic() + self.cfg.round_timeout + self.cfg.matchmaking_time
+        waiting = time.perf_counter()
         records, announced = self._await_announcements(report)
+        report.timing["wait"] = time.perf_counter() - waiting
         self._check_divergence(self._others(records))  # sync/repair.py: before aggregating onto the references
         gathering = time.perf_counter()
         blobs = self._fetch_blobs(announced, ends)
@@ -276,7 +278,9 @@ class Contributions(Repair):
             until = min(until, start + self.cfg.round_timeout)
             if not waiting or now >= until or self._leaving:
                 for peer_id, r in waiting.items():
-                    if r.round == self.round_id:  # at this round and silent; one behind may still be training
+                    # At this round and silent, or promised to be ready for it (`due`) and was not: struck. One
+                    # behind without a promise may still be training; a promise is waited for only once in a row.
+                    if r.round == self.round_id or (r.due and r.due[0] == self.round_id):
                         self._missed(peer_id, "announced no contribution in time")
                 return records, announced
             time.sleep(0.2)

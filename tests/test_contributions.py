@@ -299,3 +299,22 @@ def test_a_partial_record_read_changes_no_ownership(swarm_factory, monkeypatch):
     reports = round_all([a, b])
     assert not any(r.adopted for r in reports), reports
     assert sorted(a.model.owned_experts) == [0, 1] and sorted(b.model.owned_experts) == [2, 3]
+
+
+def test_a_broken_promise_to_be_ready_is_waited_for_once(swarm_factory):
+    """A record a round behind that promises (`due`) to be ready for this round soon is waited for until then
+    plus matchmaking_time; one that never announces is struck, and not waited for in the next round, however
+    it renews the promise (a liar's due would otherwise hold every round up to round_timeout)."""
+    from hivemind.utils import get_dht_time
+
+    cfg = contrib_cfg(matchmaking_time=1.0, round_timeout=20.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    round_all([a, b])
+    waits = []
+    for step in (2, 3):
+        b.swarm.publish(due=[a.sync.round_id + 1, get_dht_time() + 3.0])  # b stays a round behind, promising
+        a.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
+        report = a.sync.finish_round(block=True)
+        assert report.group_size == 1, report
+        waits.append(report.timing["wait"])
+    assert waits[0] >= 3.0 and waits[1] < 1.0, waits
