@@ -23,9 +23,21 @@ def merge_alpha(step: int, cfg: MergeConfig) -> float:
     return cfg.alpha * (1.0 - min(step / cfg.decay_steps, 1.0))
 
 
-def merge_due(step: int, cfg: MergeConfig) -> bool:
-    """Whether a round started at `step` merges."""
-    return step % cfg.interval == 0 and merge_alpha(step, cfg) > 0
+def merge_step(step: int, cfg: MergeConfig, since: int | None = None) -> int | None:
+    """The multiple of `cfg.interval` that a round started at `step` merges for: the latest in (since, step], where
+    `since` is the previous round's start step (default step - 1: only a round started exactly on a multiple).
+    A round started a few steps late (held, sync.schedule) or early (sync.progress) so still merges once per
+    multiple, at the coefficient of that multiple. None: no multiple in the range, or the warm-up is over."""
+    since = step - 1 if since is None else since
+    multiple = step - step % cfg.interval
+    if multiple <= since or merge_alpha(multiple, cfg) <= 0:
+        return None
+    return multiple
+
+
+def merge_due(step: int, cfg: MergeConfig, since: int | None = None) -> bool:
+    """Whether a round started at `step` (the previous one at `since`) merges (merge_step)."""
+    return merge_step(step, cfg, since) is not None
 
 
 def merge_neighbours(gate_up_EFD: torch.Tensor, topk: int) -> torch.Tensor:

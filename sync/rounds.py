@@ -38,7 +38,7 @@ from sync.contributions import Contributions
 from sync.durable import Durable
 from sync.fetch import ExpertFetching, Snapshot
 from sync.leave import LeaveHandoff
-from sync.merge import merge_alpha, merge_due
+from sync.merge import merge_alpha, merge_step
 from sync.shared_tensors import SharedTensors
 from sync.ownership import Ownership
 from sync.progress import SwarmProgress
@@ -81,6 +81,7 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         self.rejects = rejects if rejects is not None else RejectCounter()
         self.max_weight, self.gate = max_weight, gate
         self.round_id = 0
+        self._merge_since: int | None = None  # start step of the last applied round (sync.merge.merge_step)
         # Joiners' state downloads: whole tensors, exact (fp32; the frozen experts' storage dtype as held).
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression="none",
                                        rejects=self.rejects, gate=gate)
@@ -114,6 +115,7 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         `alone_takes_all` (--experts auto): a run's first peer, alone, takes care of every expert its budget
         allows (sync.ownership). `take_over_moments` (a peer without optimizer state of its own): fetch the
         optimizer moments of its experts that others train now (handed_over, sync/fetch.py)."""
+        self._merge_since = step
         if self.cfg.follow_swarm or self.cfg.start_together:
             self.progress.start()
         self.swarm.record.budget = self.max_owned  # stored with the record below: others count its room by it
@@ -256,9 +258,11 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
             report.rejected += self._apply_contributions()
             synced = {e: means.get(e, snapshot) for e, snapshot in pending.own_snapshots.items()}
             self._apply_experts(self._live_updates(means), pending.own_snapshots)
-            if merge_due(pending.step, self.cfg.merge) and synced:
-                report.merge_alpha = merge_alpha(pending.step, self.cfg.merge)
+            merged_for = merge_step(pending.step, self.cfg.merge, since=self._merge_since)
+            if merged_for is not None and synced:
+                report.merge_alpha = merge_alpha(merged_for, self.cfg.merge)
                 self._merge(synced, report.merge_alpha)
+            self._merge_since = pending.step
             self._expert_synced = {e: {k: v.float().clone() for k, v in synced[e].items()} for e in synced}
         self._after_contribution_apply()
         self._track_alone(report)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sync.config import MergeConfig
-from sync.merge import merge_alpha, merge_deltas, merge_due, merge_neighbours
+from sync.merge import merge_alpha, merge_deltas, merge_due, merge_neighbours, merge_step
 from tests.conftest import MODEL, sync_cfg as _sync_cfg
 from tests.conftest import local_training as _local_training
 from tests.test_swarm import _experts
@@ -40,6 +40,20 @@ def test_alpha_schedule_edges():
     assert merge_due(500, cfg) and merge_due(9_500, cfg)
     assert not merge_due(501, cfg) and not merge_due(10_000, cfg) and not merge_due(10_500, cfg)
     assert not merge_due(500, MergeConfig(alpha=0.0))
+
+
+def test_a_round_started_late_or_early_still_merges_once_per_interval():
+    """Rounds start a step or two off the multiples of sync.merge.interval (held for a later peer, started early
+    to join the swarm's round): the round whose steps cover a multiple merges, once, at that multiple's alpha."""
+    cfg = MergeConfig(interval=5, alpha=0.05, decay_steps=1000)
+    assert merge_step(12, cfg, since=9) == 10  # held two steps past 10
+    assert merge_step(17, cfg, since=12) == 15 and merge_step(22, cfg, since=17) == 20
+    assert merge_step(14, cfg, since=10) is None  # 10 was merged by the round that started there
+    assert merge_step(19, cfg, since=15) is None and merge_step(21, cfg, since=19) == 20  # early, then late
+    assert merge_step(1002, cfg, since=998) is None  # the multiple 1000 is past the warm-up
+    starts = [0, 7, 12, 18, 21, 29, 31]  # uneven starts: every multiple of 5 up to 31 merged exactly once
+    merged = [merge_step(s, cfg, since=p) for p, s in zip(starts, starts[1:])]
+    assert [m for m in merged if m is not None] == [5, 10, 15, 20, 25, 30], merged
 
 
 def test_topk_never_picks_itself():
