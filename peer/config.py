@@ -107,6 +107,9 @@ class MetricsConfig:
     """Prometheus endpoint; port 0 = off."""
 
     port: int = 0
+    host: str = ""
+    """Address the endpoint listens on; "" = as the peer does (the first --host-maddrs address: loopback for a
+    peer that listens on loopback only, every interface for one that listens on 0.0.0.0)."""
 
 
 @dataclass

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics and checkpoints go (default: runs/RUN_ID)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help=f"serve Prometheus metrics on this port, 0 = off {config('metrics.port')}")
+    p.add_argument("--metrics-host", metavar="HOST",
+                   help="address the metrics endpoint listens on (default: the address the peer listens on, "
+                        "see --host-maddrs)")
     p.add_argument("--host-maddrs", nargs="+", metavar="MADDR",
                    help="multiaddrs to listen on for the swarm (default: /ip4/0.0.0.0/tcp/0 when joining with "
                         "--initial-peers, else loopback only, /ip4/127.0.0.1/tcp/0: pass /ip4/0.0.0.0/tcp/PORT to "
@@ -116,6 +119,7 @@ def overrides_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
         "sync.experts": args.experts, "sync.every": args.sync_every,
         "train.max_steps": args.max_steps, "train.device": args.device, "train.init_from": args.init_from,
         "data.dataset": args.dataset, "data.tokenizer": args.tokenizer, "metrics.port": args.metrics_port,
+        "metrics.host": args.metrics_host,
         "admission.organizer_key": args.organizer_key, "admission.ticket": args.ticket,
         "network.use_auto_relay": args.use_auto_relay, "network.client_mode": args.client_mode,
     }
@@ -244,14 +248,29 @@ def check_admission(cfg: RunConfig, identity_path: str | None) -> None:
                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expiry))}")
 
 
-def start_metrics(cfg: RunConfig) -> "PeerMetrics | None":
-    """The metrics endpoint, started before anything heavy so a taken port costs nothing; None if off."""
+def metrics_host(cfg: RunConfig, hosts: Sequence[Multiaddr]) -> str:
+    """Where the metrics endpoint listens: `metrics.host` if set, else where the peer itself listens (the first
+    host multiaddr's IP), so a peer on loopback opens no metrics port to the network either."""
+    if cfg.metrics.host:
+        return cfg.metrics.host
+    for maddr in hosts:
+        for proto in ("ip4", "ip6"):
+            try:
+                return maddr.value_for_protocol(proto)
+            except Exception:  # no such part in this address
+                continue
+    return "127.0.0.1"
+
+
+def start_metrics(cfg: RunConfig, host: str = "127.0.0.1") -> "PeerMetrics | None":
+    """The metrics endpoint on `host`, started before anything heavy so a taken port costs nothing; None if
+    off."""
     if not cfg.metrics.port:
         return None
     from peer.metrics import MetricsPortInUse, PeerMetrics
     metrics = PeerMetrics(cfg.model.num_experts)
     try:
-        metrics.serve(cfg.metrics.port)
+        metrics.serve(cfg.metrics.port, addr=host)
     except MetricsPortInUse as e:
         raise ConfigError(e.strerror) from None
     except OSError as e:
@@ -344,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         check_admission(cfg, args.identity_path)
         if cfg.sync.every > 0:
             check_host_ports(hosts)
-        metrics = start_metrics(cfg)
+        metrics = start_metrics(cfg, metrics_host(cfg, hosts))
         from peer.rundir import RunDirLock, move_aside
         if args.fresh:
             move_aside(cfg.resolved_run_dir())

@@ -115,6 +115,19 @@ def test_metrics_port_in_use_fails_before_any_work(tmp_path):
     assert not (tmp_path / "run").exists()  # checked before the run dir, the model or the DHT
 
 
+def test_metrics_listen_where_the_peer_listens_unless_told():
+    """A peer on loopback (the default for a run started alone) serves its metrics on loopback too; one that
+    listens on every interface serves them there; --metrics-host / metrics.host overrides both."""
+    from peer.config import load_config, parse_override
+    from peer.run import metrics_host, parse_maddrs
+    cfg = load_config(None, [])
+    assert metrics_host(cfg, parse_maddrs("--host-maddrs", ["/ip4/127.0.0.1/tcp/0"])) == "127.0.0.1"
+    assert metrics_host(cfg, parse_maddrs("--host-maddrs", ["/ip4/0.0.0.0/tcp/31337"])) == "0.0.0.0"
+    assert metrics_host(cfg, parse_maddrs("--host-maddrs", ["/ip6/::1/tcp/0"])) == "::1"
+    told = load_config(None, [parse_override("metrics.host=0.0.0.0")])
+    assert metrics_host(told, parse_maddrs("--host-maddrs", ["/ip4/127.0.0.1/tcp/0"])) == "0.0.0.0"
+
+
 def test_host_port_in_use_by_a_plain_listener(tmp_path):
     with _listener() as busy:
         port = busy.getsockname()[1]
