@@ -9,6 +9,7 @@ unreachable initial peer, bad organizer key); 1 if the DHT process dies.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import gc
 import os
 import signal
@@ -26,6 +27,10 @@ logger = get_logger(__name__)
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, not usage + error (as peer.run)
         self.exit(2, f"{self.prog}: error: {message}\n")
 

@@ -124,7 +124,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model.export",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m model.export",
                                      description="Export the newest checkpoint of a run to a transformers folder.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `python -m peer.run`")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json, weights, tokenizer)")

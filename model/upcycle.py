@@ -192,7 +192,7 @@ def read_init(init_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model.upcycle",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m model.upcycle",
                                      description="Upcycle a dense transformers Qwen3 checkpoint into a SPES MoE run.")
     parser.add_argument("dense_dir", metavar="DENSE_HF_DIR", help="a local transformers Qwen3 folder (config.json, "
                         "weights, tokenizer)")

@@ -12,6 +12,7 @@ Only `peer-id` and `revoke --initial-peers` load hivemind; the other commands st
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import math
 import os
 import sys
@@ -26,6 +27,10 @@ PROG = "python -m peer.admit"
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, not usage + error (as peer.run)
         self.exit(2, f"{self.prog}: error: {message}\n")
 

@@ -35,6 +35,10 @@ EVAL_INFO_FILE = "spes_eval.json"  # = model.export.EVAL_INFO_FILE; not imported
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, not usage + error
         self.exit(2, f"{self.prog}: error: {message}\n")
 

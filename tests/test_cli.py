@@ -60,6 +60,7 @@ def _digest(directory: Path) -> dict[str, str]:
     (["--host-maddrs", "/ip4/127.0.0.1/tcp/notaport"], "notaport"),
     (["--announce-maddrs", "/ip4/1.2.3/tcp/5"], "bad multiaddr '/ip4/1.2.3/tcp/5' (--announce-maddrs)"),
     (["--metrics-port", "70000"], "metrics.port must be in [0, 65535]"),
+    (["--max-step", "3"], "unrecognized arguments: --max-step 3"),  # no abbreviations: a typo is an error
 ])
 def test_bad_input_gives_one_line_error(tmp_path, args, cause):
     proc = _run("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), *args)
