@@ -281,3 +281,24 @@ def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     """Write the resolved config as YAML (the run dir's config.yaml)."""
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# The settings every peer of a run must share (sync/settings.py): the model (but how this machine runs its
+# experts), the tokenizer, and what decides a round's aggregate or bounds a peer's weight. A joiner whose
+# values differ exits naming the first one.
+_SHARED_SYNC = ("every", "compression", "sparse.chunk", "sparse.topk", "sparse.bits", "outer", "outer_lr",
+                "outer_momentum", "max_peer_processes", "max_delta_ratio")
+_LOCAL_MODEL = {"expert_kernel"}
+
+
+def run_settings(cfg: RunConfig) -> dict[str, Any]:
+    """{dotted config name: value} of the settings every peer of `cfg.run_id` must share."""
+    out: dict[str, Any] = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k not in _LOCAL_MODEL}
+    out["data.tokenizer"] = cfg.data.tokenizer
+    out["train.batch_size"], out["train.grad_accum"] = cfg.train.batch_size, cfg.train.grad_accum
+    for name in _SHARED_SYNC:
+        value: Any = cfg.sync
+        for part in name.split("."):
+            value = getattr(value, part)
+        out[f"sync.{name}"] = value
+    return out

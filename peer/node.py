@@ -20,7 +20,7 @@ from typing import Sequence
 from hivemind.utils.logging import get_logger
 
 from peer.callbacks import Callback
-from peer.config import RunConfig
+from peer.config import RunConfig, run_settings
 from peer.metrics import PeerMetrics
 from peer.optim import expert_moments, load_expert_moments
 from peer.train import Trainer
@@ -178,11 +178,19 @@ class PeerNode:
                         client_mode=mode.client_mode, join_timeout=cfg.network.join_timeout_s)
         ticket = getattr(self.admission, "own_ticket", None) or b""
         swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
-                      admission=self.admission, initial_peers=initial_peers)
+                      admission=self.admission, initial_peers=initial_peers, settings=run_settings(cfg))
         if swarm.live_elsewhere():
             swarm.shutdown(withdraw=False)  # the record is the other process's: leave it alone
             raise SwarmError(f"peer ID {swarm.peer_id} is already live in run {cfg.run_id}: another process "
                              f"uses this identity (give each peer its own --identity-path)")
+        mismatch = swarm.settings_mismatch()  # before this peer publishes anything or downloads a tensor
+        if mismatch is not None:
+            swarm.shutdown(withdraw=False)
+            raise SwarmError(mismatch)
+        try:
+            swarm.publish_settings()
+        except Exception as e:  # a joiner that differs then gets the fingerprint only; the heartbeat retries
+            logger.warning(f"could not store this run's settings: {e!r}")
         self.swarm = swarm
         visible = swarm.visible_maddrs()
         for maddr in visible:

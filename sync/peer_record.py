@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from sync.aggregate import Announcement
 from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_contrib, is_due, is_synced
+from sync.settings import is_fingerprint
 
 
 @dataclass
@@ -48,6 +49,7 @@ class PeerRecord:
     contrib: list = field(default_factory=list)
     prev: list = field(default_factory=list)
     synced: list = field(default_factory=list)
+    cfg: str = ""  # fingerprint of its run settings (sync/settings.py); "" = not published
 
     def announcement(self, round_id: int | None = None) -> Announcement | None:
         """Its contribution to `round_id` (default: its newest) as sync.aggregate reads it; None: none announced
@@ -83,6 +85,8 @@ class PeerRecord:
             value["prev"] = list(self.prev)
         if self.synced:
             value["synced"] = list(self.synced)
+        if self.cfg:
+            value["cfg"] = self.cfg
         return value
 
     def room(self, num_experts: int) -> int:
@@ -130,12 +134,15 @@ class PeerRecord:
             return None
         if prev and not (contrib and is_contrib(prev, num_experts) and prev[0] < contrib[0]):
             return None
+        cfg = value.get("cfg", "")
+        if cfg and not is_fingerprint(cfg):
+            return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
                    budget=budget, caretaking=sorted(set(caretaking)),
                    finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
                    left=sorted(set(left)), due=[due[0], float(due[1])] if due else [],
                    contrib=[*contrib[:4], sorted(contrib[4])] if contrib else [],
-                   prev=[*prev[:4], sorted(prev[4])] if prev else [], synced=list(synced))
+                   prev=[*prev[:4], sorted(prev[4])] if prev else [], synced=list(synced), cfg=cfg)
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:

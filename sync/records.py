@@ -9,8 +9,11 @@ neither stored by an honest node nor accepted from any node's answer. For the ru
   the schema of `sync.swarm.PeerRecord` exactly (bounded ints, expert indices in range), and in a closed run it
   must carry a valid organizer ticket for that peer ID.
 - `{run_id}_revoked`, subkey = a base58 peer ID: only organizer-signed revocations of that peer (closed runs).
-- On both, an expiration later than now + the key's lifetime bound is refused: no far-future tombstone or claim
-  can be planted, and whatever a peer wrote dies within `record_ttl` once it stops refreshing it.
+- `{run_id}_settings`, subkey = a settings fingerprint (sync/settings.py): the value must be a bounded flat
+  settings map whose fingerprint is the subkey (content-addressed: no signature needed, nothing false can be
+  planted under a fingerprint).
+- On all of them, an expiration later than now + the key's lifetime bound is refused: no far-future tombstone or
+  claim can be planted, and whatever a peer wrote dies within `record_ttl` once it stops refreshing it.
 
 Other keys pass through untouched.
 
@@ -37,6 +40,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 
+from sync.settings import SETTINGS_LIFETIME, fingerprint, is_fingerprint, is_settings, settings_key
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -60,8 +64,9 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # contrib: [round, size, sha256 hex, weight, experts] of the peer's contribution blob (sync/contributions.py);
 # prev: the contribution before `contrib`, same form, an older round (a peer behind still finds it).
 # synced: [round, digest hex] of its synchronized tensors after applying that round.
+# cfg: the fingerprint of the peer's run settings (sync/settings.py).
 _OPTIONAL_FIELDS = {"ticket", "budget", "caretaking", "finished", "claims", "origin", "left", "due",
-                    "contrib", "prev", "synced"}
+                    "contrib", "prev", "synced", "cfg"}
 MAX_BLOB_BYTES = 2**36  # a contribution of a model far beyond the paper's shapes, uncompressed, stays under it
 MAX_DUE_TIME = 2.0 ** 34  # seconds since the epoch: year 2514; readers bound it by their own clock (sync.schedule)
 
@@ -164,6 +169,8 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
         return False
     if "synced" in value and not is_synced(value["synced"]):
         return False
+    if "cfg" in value and not is_fingerprint(value["cfg"]):
+        return False
     for name, bound in (("round", MAX_ROUND), ("step", MAX_STEP), ("tokens", MAX_TOKENS)):
         if type(value[name]) is not int or not 0 <= value[name] <= bound:
             return False
@@ -187,6 +194,7 @@ class RunRecordValidator(RecordValidatorBase):
         self.max_lifetime = record_ttl + slack
         self.admission, self.rejects = admission, rejects
         self._peers_key, self._revoked_key = _key_id(peers_key(run_id)), _key_id(revoked_key(run_id))
+        self._settings_key = _key_id(settings_key(run_id))
         self._private_key = private_key
         self._own_subkey = self._public_der = None
         if private_key is not None:
@@ -231,6 +239,8 @@ class RunRecordValidator(RecordValidatorBase):
             ok = self._validate_peer_record(record)
         elif record.key == self._revoked_key:
             ok = self._validate_revocation(record)
+        elif record.key == self._settings_key:
+            ok = self._validate_settings(record)
         else:
             return True
         if not ok and self.rejects is not None:
@@ -268,6 +278,15 @@ class RunRecordValidator(RecordValidatorBase):
         if self.admission is not None and not self.admission.ticket_valid(peer_id, value.get("ticket")):
             return False
         return True
+
+    def _validate_settings(self, record: DHTRecord) -> bool:
+        if record.expiration_time > get_dht_time() + SETTINGS_LIFETIME or len(record.value) > MAX_VALUE_BYTES:
+            return False
+        try:
+            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
+        except Exception:
+            return False
+        return is_fingerprint(subkey) and is_settings(value) and fingerprint(value) == subkey
 
     def _validate_revocation(self, record: DHTRecord) -> bool:
         if self.admission is None or record.expiration_time > get_dht_time() + REVOCATION_LIFETIME:

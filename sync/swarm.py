@@ -17,7 +17,7 @@ import functools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -28,6 +28,8 @@ from sync.records import peers_key, revoked_key
 from sync.peer_record import PeerRecord, median_round, process_origin  # noqa: F401 (the swarm's API)
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
 from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs
+from sync.settings import (SETTINGS_LIFETIME, fingerprint, first_difference, is_settings, run_fingerprint,
+                           settings_key)
 
 logger = get_logger(__name__)
 
@@ -75,12 +77,16 @@ class Swarm:
     admission: Any = None  # closed runs: sync.admission.Admission (revoked peers are not read)
     # Full multiaddrs of the run's initial peers: where this peer re-joins the DHT after its link came back.
     initial_peers: Sequence[str] = ()
+    # The settings every peer of the run must share (sync/settings.py; built by peer/), None: not checked.
+    settings: Mapping[str, Any] | None = None
     record: PeerRecord = field(init=False)
 
     def __post_init__(self) -> None:
         self.peer_id = str(self.dht.peer_id)
         self.key = peers_key(self.run_id)
-        self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin())
+        self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin(),
+                                 cfg=fingerprint(self.settings) if self.settings else "")
+        self._settings_stored_at = -float("inf")
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -148,9 +154,11 @@ class Swarm:
 
     def _store(self, value: dict[str, Any], expiration: float, timeout: float = 15.0) -> bool:
         """Store this peer's record, bounded: a DHT process that died or hangs must not hang the heartbeat or
-        the shutdown (seen once in CI: a withdrawal waited forever on a store whose future never resolved)."""
-        future = self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=expiration,
-                                return_future=True)
+        the shutdown."""
+        return self._store_at(self.key, self.peer_id, value, expiration, timeout)
+
+    def _store_at(self, key: str, subkey: str, value: Any, expiration: float, timeout: float = 15.0) -> bool:
+        future = self.dht.store(key, subkey=subkey, value=value, expiration_time=expiration, return_future=True)
         return bool(future.result(timeout=timeout))
 
     def peers(self) -> dict[str, PeerRecord]:
@@ -382,12 +390,44 @@ class Swarm:
         self.publish()  # its record expired everywhere else meanwhile: be visible again now, not at the next beat
         return True
 
+    # ---- the run's settings (sync/settings.py) ----------------------------------------------------------
+
+    def publish_settings(self) -> None:
+        """Store this peer's settings under their fingerprint, for a joiner whose own differ to compare with."""
+        if self.settings:
+            self._store_at(settings_key(self.run_id), self.record.cfg, dict(self.settings),
+                           get_dht_time() + SETTINGS_LIFETIME)
+            self._settings_stored_at = time.monotonic()
+
+    def settings_mismatch(self) -> str | None:
+        """Why this peer cannot take part in the run (its settings are not those most live peers publish), naming
+        the first setting that differs and the run's value; None when they agree or nobody else is there."""
+        if not self.settings:
+            return None
+        others = [r for p, r in self.peers().items() if p != self.peer_id]
+        run = run_fingerprint(r.cfg for r in others)
+        if run is None or run == self.record.cfg:
+            return None
+        count = sum(r.cfg == run for r in others)
+        found = self.dht.get(settings_key(self.run_id), latest=True)
+        entry = found.value.get(run) if found is not None and isinstance(found.value, dict) else None
+        theirs = getattr(entry, "value", None)
+        difference = first_difference(theirs, self.settings) if is_settings(theirs) else None
+        if difference is None:
+            return (f"this peer's settings differ from those of run {self.run_id} ({count} live peer(s); "
+                    f"fingerprint {run}, this peer {self.record.cfg}): start it with the run's config")
+        name, value, mine = difference
+        return (f"run {self.run_id} ({count} live peer(s)) uses {name} = {value!r}, this peer {mine!r}: start it "
+                f"with the run's config (--config FILE or --set {name}=...)")
+
     def start_heartbeat(self) -> None:
         def beat() -> None:
             while not self._stop.wait(self.ttl / 3):
                 try:
                     self.rejoin_if_cut_off()
                     self.publish()
+                    if time.monotonic() - self._settings_stored_at > SETTINGS_LIFETIME / 24:
+                        self.publish_settings()
                 except Exception as e:  # a failed store must not kill the heartbeat; the next one retries
                     logger.warning(f"heartbeat failed: {e}")
         self._heartbeat = threading.Thread(target=beat, name="spes-heartbeat", daemon=True)
