@@ -10,10 +10,8 @@ Wire format (msgpack, never pickle): `[payload, signature]` where `payload = msg
 signature is checked before the payload is parsed any further.
 
 `Gate` is the door check: is the libp2p-authenticated remote peer admitted right now? It reads the run's peer
-records (`{run_id}_peers`, each carrying the peer's ticket) and revocations (`{run_id}_revoked`) from the DHT.
-
-hivemind is imported lazily: `python -m peer.admit keygen|sign|revoke` only need `cryptography` and `msgpack`, and
-start in a fraction of a second instead of the seconds a hivemind (torch) import takes.
+records (each carrying the peer's ticket) and revocations from the DHT. hivemind is imported lazily, so that
+`python -m peer.admit` starts in a fraction of a second.
 """
 from __future__ import annotations
 
@@ -41,6 +39,7 @@ REVOCATION_TAG = "spes-revocation-v1"
 MAX_SIGNED_BYTES = 1024
 # How long a published revocation lives in the DHT (the record validator accepts up to this, see publish_revocation).
 REVOCATION_TTL_DAYS = 7.0
+REFUSED_LOG_INTERVAL = 60.0  # seconds between two log lines about the same refused peer (Gate)
 _DAY = 86400.0
 _MEMO_SIZE = 4096
 
@@ -179,6 +178,12 @@ def _sign(private_key_path: str, fields: list) -> bytes:
     private_key = _load_private_key(private_key_path)
     payload = msgpack.packb(fields, use_bin_type=True)
     return msgpack.packb([payload, private_key.sign(payload)], use_bin_type=True)
+
+
+def looks_closed(ticketed: list[bool]) -> bool:
+    """Whether a peer without an organizer key is joining a closed run: most of the other live records it reads
+    carry a ticket (one stranger's record with a made-up ticket cannot turn an open run away)."""
+    return bool(ticketed) and 2 * sum(ticketed) > len(ticketed)
 
 
 def _check_run_id(run_id: str) -> None:
@@ -400,10 +405,8 @@ class Gate:
     revocation under `{run_id}_revoked`. Both keys are read together into one snapshot, used for `refresh` seconds
     for every answer, positive and negative, then re-read at the next question (concurrent questions share one
     read). A failed read keeps the previous snapshot (none yet: nobody is admitted) until the next try, `refresh`
-    seconds later. Ticket expiry is re-checked on every answer. `admits` never raises.
-
-    Works on any asyncio loop of any process: its only state is plain data
-    (the in-flight read is remembered per process and loop, created lazily).
+    seconds later. Ticket expiry is re-checked on every answer. `admits` never raises. Works on any asyncio loop
+    of any process (the in-flight read is remembered per process and loop).
     """
 
     def __init__(self, dht: "hivemind.DHT", admission: Admission, refresh: float = 2.0, read_timeout: float = 10.0):
@@ -414,6 +417,7 @@ class Gate:
         self._read_at = -math.inf  # time.monotonic() of the last read attempt
         self._failing = False
         self._inflight: dict[tuple[int, int], tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}
+        self._refused_logged: dict[str, float] = {}  # stranger -> time.monotonic() of its last log line
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -431,12 +435,25 @@ class Gate:
                 # whole refresh period; strangers can make this node re-read at most every miss_refresh s.
                 await self._refresh()
             expiry = self._admitted.get(key)
-            return expiry is not None and expiry > time.time()
+            if expiry is not None and expiry > time.time():
+                return True
+            self._note_refused(key)
+            return False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never let a door check take a handler down: refuse instead
             _logger().debug(f"admission check of {peer_id} failed: {e!r}")
             return False
+
+    def _note_refused(self, peer_id: str) -> None:
+        """One log line per refused peer per minute: who knocks without a ticket, not a line per request."""
+        now = time.monotonic()
+        if now - self._refused_logged.get(peer_id, -math.inf) >= REFUSED_LOG_INTERVAL:
+            if len(self._refused_logged) > 1024:  # many strangers: forget the oldest, keep the map bounded
+                self._refused_logged = dict(sorted(self._refused_logged.items(), key=lambda kv: kv[1])[-512:])
+            self._refused_logged[peer_id] = now
+            _logger().warning(f"refused peer ...{peer_id[-6:]}: no valid ticket for closed run "
+                              f"{self.admission.run_id} (next line for it in a minute at the earliest)")
 
     def admits_sync(self, peer_id: "PeerID | str") -> bool:
         """admits() from code without an event loop (tests, CLIs); never call it from inside a loop."""
