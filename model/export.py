@@ -92,7 +92,12 @@ def eval_info(run_dir: Path, seq_len: int, step: int) -> dict:
         local = Path(dataset).expanduser()
         if local.exists():
             settings["dataset"] = str(local.resolve())
-    return {"format": EVAL_INFO_FORMAT, "step": step, "seq_len": seq_len, "data": settings}
+    info = {"format": EVAL_INFO_FORMAT, "step": step, "seq_len": seq_len, "data": settings}
+    train = data.get("train") if isinstance(data.get("train"), dict) else {}
+    batch, batches = train.get("batch_size"), train.get("eval_batches")
+    if isinstance(batch, int) and isinstance(batches, int) and batch > 0 and batches > 0:
+        info["eval_blocks"] = batch * batches  # the run's eval set (peer/config.py eval_block_count)
+    return info
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:

@@ -283,6 +283,12 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def eval_block_count(train: TrainConfig) -> int:
+    """How many held-out blocks make the run's eval set: the first train.eval_batches x train.batch_size of them.
+    One definition for the training loop's eval_loss and `python -m peer.eval` (both score exactly these)."""
+    return train.batch_size * train.eval_batches
+
+
 # The settings every peer of a run must share (sync/settings.py): the model (but how this machine runs its
 # experts), the tokenizer, and what decides a round's aggregate or bounds a peer's weight. A joiner whose
 # values differ exits naming the first one.

@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "saved with the run or the export)")
     p.add_argument("--seq-len", type=_positive, metavar="N", help="block length in tokens (default: the run's "
                    "model.seq_len, recorded in the export)")
-    p.add_argument("--max-blocks", type=_positive, default=64, metavar="N", help="held-out blocks to score "
-                   "(default: 64, as the training loop's eval set)")
+    p.add_argument("--max-blocks", type=_positive, metavar="N", help="held-out blocks to score (default: the run's "
+                   "eval set, train.eval_batches x train.batch_size blocks, as the training loop scores)")
     p.add_argument("--batch-size", type=_positive, default=8, metavar="N", help="blocks per forward pass (default: 8)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run the model (default: auto, a GPU if there is one)")
@@ -87,6 +87,7 @@ class Target:
     data: Any  # peer.config.DataConfig
     seq_len: int
     step: int | None
+    eval_blocks: int = 64  # the run's eval set size (peer.config.eval_block_count), --max-blocks' default
 
 
 def _first_line(error: BaseException) -> str:
@@ -138,7 +139,7 @@ def load_run_dir(run_dir: Path, args: argparse.Namespace) -> Target:
     """The run's newest checkpoint that reads completely, in SpesMoE with every expert frozen in fp32 (as export)."""
     from model.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_model_state
     from model.model import SpesMoE
-    from peer.config import load_config
+    from peer.config import eval_block_count, load_config
     cfg = load_config(run_dir / "config.yaml")
     found = list_checkpoints(run_dir / "checkpoints")
     if not found:
@@ -165,7 +166,8 @@ def load_run_dir(run_dir: Path, args: argparse.Namespace) -> Target:
     return Target(kind="run dir", forward=lambda ids: model(ids.to(device)).logits, vocab_size=cfg.model.vocab_size,
                   tokenizer=_tokenizer(args.tokenizer, run_dir / "tokenizer", str(run_dir)),
                   data=_data_config(dataclasses.asdict(cfg.data), args, str(run_dir / "config.yaml")),
-                  seq_len=args.seq_len or cfg.model.seq_len, step=meta_step if isinstance(meta_step, int) else step)
+                  seq_len=args.seq_len or cfg.model.seq_len, step=meta_step if isinstance(meta_step, int) else step,
+                  eval_blocks=eval_block_count(cfg.train))
 
 
 def load_export(export_dir: Path, args: argparse.Namespace) -> Target:
@@ -198,7 +200,8 @@ def load_export(export_dir: Path, args: argparse.Namespace) -> Target:
     return Target(kind="export", forward=lambda ids: model(input_ids=ids.to(device)).logits,
                   vocab_size=model.config.vocab_size, tokenizer=_tokenizer(args.tokenizer, export_dir, str(export_dir)),
                   data=_data_config(info.get("data", {}), args, str(info_path)), seq_len=seq_len,
-                  step=step if isinstance(step, int) else None)
+                  step=step if isinstance(step, int) else None, **({"eval_blocks": blocks} if isinstance(
+                      blocks := info.get("eval_blocks"), int) and 0 < blocks <= 1_000_000 else {}))
 
 
 def heldout_loss(forward: Callable[[Any], Any], blocks: Any, batch_size: int) -> float:
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 target = load_export(path, args)
             else:
                 raise ValueError(f"{path} is neither a run dir (no config.yaml) nor an export (no config.json)")
-            loss, n_blocks = evaluate(target, args.max_blocks, args.batch_size)
+            loss, n_blocks = evaluate(target, args.max_blocks or target.eval_blocks, args.batch_size)
         except (CheckpointError, ConfigError) as e:
             raise ValueError(str(e)) from None
         perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709

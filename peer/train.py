@@ -21,7 +21,7 @@ from model.checkpoint import (CheckpointError, checkpoint_path, load_model_state
 from model.model import SpesMoE, decayed_lb_scale, lm_loss
 from model.upcycle import read_init
 from peer.callbacks import Callback, CallbackStateError, join_callback_states, split_callback_state
-from peer.config import RunConfig, save_config
+from peer.config import RunConfig, eval_block_count, save_config
 from peer.data import build_data
 from peer.optim import (build_optimizer, load_optimizer_state_tensors, lr_at, optimizer_state_tensors,
                         own_expert_bias_at, sync_optimizer_params)
@@ -114,7 +114,8 @@ class Trainer:
         resume_from, ckpt_tensors, ckpt_meta = newest if newest is not None else (None, {}, {})
         # A resumed peer keeps its data order (and so continues its epoch exactly).
         self.data_seed = int(ckpt_meta.get("data_seed", data_seed if data_seed is not None else cfg.train.seed))
-        self.data = build_data(cfg.data, self.tokenizer, cfg.model.seq_len, self.data_seed)
+        self.data = build_data(cfg.data, self.tokenizer, cfg.model.seq_len, self.data_seed,
+                               max_eval_blocks=eval_block_count(cfg.train))
 
         self.step = 0
         self.tokens = 0
@@ -360,7 +361,7 @@ class Trainer:
         blocks = self.data.eval_blocks
         bs = self.cfg.train.batch_size
         losses, weights = [], []
-        for start in range(0, min(len(blocks), bs * self.cfg.train.eval_batches), bs):
+        for start in range(0, min(len(blocks), eval_block_count(self.cfg.train)), bs):
             batch = blocks[start:start + bs].to(self.device)
             with self._autocast():
                 out = self.model(batch[:, :-1])

@@ -201,3 +201,20 @@ def test_lm_eval_task_scores_the_export_offline(run_and_export, tmp_path, capfd,
     metrics = results[0]["results"][peer_eval.TASK_NAME]
     assert math.isfinite(metrics["word_perplexity,none"]) and metrics["word_perplexity,none"] > 1
     assert 0 < metrics["bits_per_byte,none"] < 9  # a byte-level model: at most ~8 bits per byte plus noise
+
+
+def test_peer_eval_scores_the_blocks_the_training_loop_scored(tmp_path, capfd, caplog):
+    """One eval set (peer/config.py eval_block_count): `peer.eval` of the final checkpoint, with no --max-blocks,
+    gives the eval_loss the training loop logged at that step (it scored 64 blocks against the loop's 32 before,
+    and the numbers differed)."""
+    run_dir = tmp_path / "run"
+    corpus = _write_corpus(tmp_path / "corpus.jsonl")
+    sets = [f"run_dir={run_dir}", f"data.dataset={corpus}", "data.eval_fraction=0.3", "train.max_steps=2",
+            "train.eval_every=2", "train.batch_size=4", "train.eval_batches=3", "sync.every=0"]
+    Trainer(load_config(REPO / "configs/tiny.yaml", [parse_override(s) for s in sets])).run()
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    loop = [r["eval_loss"] for r in logged if "eval_loss" in r and r.get("step") == 2]
+    code, out, errors = _eval(capfd, caplog, str(run_dir), "--json", str(tmp_path / "eval.json"))
+    assert code == 0 and not errors, errors
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["blocks"] == 12 and loop and abs(result["loss"] - loop[-1]) < 1e-4, (result, loop)
