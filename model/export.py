@@ -125,6 +125,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
         step = int(ckpt.stem.split("_")[-1])
     info = eval_info(run_dir, cfg.seq_len, step)
     (out_dir / EVAL_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    # safetensors writes its files 0600 whatever the umask: an export is for sharing, like the files beside it.
+    mode = (out_dir / EVAL_INFO_FILE).stat().st_mode & 0o777
+    for weights in out_dir.glob("*.safetensors"):
+        weights.chmod(mode)
     return ckpt
 
 

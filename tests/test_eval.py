@@ -74,6 +74,8 @@ def test_run_dir_and_export_give_the_same_loss(run_and_export, tmp_path, capfd, 
     run_dir, export = run_and_export
     info = json.loads((export / EVAL_INFO_FILE).read_text())
     assert info["seq_len"] == 64 and info["step"] == 4
+    # The weights are as readable as the files beside them (safetensors writes 0600 on its own).
+    assert {p.stat().st_mode & 0o777 for p in export.iterdir()} == {(export / EVAL_INFO_FILE).stat().st_mode & 0o777}
     assert info["data"] == {"dataset": str(run_dir.parent / "corpus.jsonl"), "text_field": "text", "split": "train",
                             "eval_fraction": 0.05, "streaming": None}
     results = {}

@@ -51,3 +51,15 @@ def test_quick_start_lines_run_in_order(tmp_path):
     loads = subprocess.run([sys.executable, "-c", _block("The exported folder loads", "python")], cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)
     assert loads.returncode == 0, loads.stderr[-3000:]
+
+
+def test_what_the_readme_commands_write_is_git_ignored():
+    """Every file or folder the README's commands write into the checkout (runs, exports, eval outputs, keys,
+    tickets, revocations) is git-ignored, so following the README leaves `git status` clean."""
+    import shutil
+    if not (REPO / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    written = ["runs/spes-demo/config.yaml", "exported/model.safetensors", "eval.json", "heldout_task/x.yaml",
+               "upcycled/config.json", "org.key", "peer.key", "bootstrap.key", "peer.ticket", "peer.revoked"]
+    proc = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
+    assert sorted(proc.stdout.split()) == sorted(written), proc.stdout
