@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     metrics = lock = ranks = None
+    failed = False
     try:
         from peer.ranks import world_from_env
         world = world_from_env()
@@ -397,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error(f"error: {e}")
         if ranks is not None and ranks.leader and not ranks.started:
             ranks.start({"error": str(e)})  # the other ranks wait for rank 0's start: they exit with it
+        failed = True
         return 2
     except KeyboardInterrupt:
         logger.error("aborted by a second interrupt; the newest checkpoint on disk is still complete")
@@ -405,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         if metrics is not None:
             metrics.shutdown()
         if lock is not None:
-            lock.release()
+            lock.release(failed=failed)
         if ranks is not None:
             ranks.shutdown()
     return 0

@@ -31,11 +31,13 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self._fd: int | None = None
+        self._created = False  # acquire() made the directory (a failed start then leaves nothing behind)
 
     def acquire(self) -> "RunDirLock":
         """Take the lock, creating the directory if needed; ConfigError naming the directory (and the holder's
         PID, as it wrote it) when another live process holds it."""
         try:
+            self._created = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cannot create run dir {self.run_dir}: {e.strerror or e}") from None
@@ -53,8 +55,17 @@ class RunDirLock:
         self._fd = fd
         return self
 
-    def release(self) -> None:
-        """Idempotent. The file stays (deleting it would race with a peer that just opened it)."""
+    def release(self, failed: bool = False) -> None:
+        """Idempotent. The file stays (deleting it would race with a peer that just opened it), except after a
+        failed start in a directory this lock created and nothing else wrote to: then both go."""
+        if self._fd is not None and failed and self._created:
+            path = self.run_dir / LOCK_NAME
+            try:
+                if [p.name for p in self.run_dir.iterdir()] == [LOCK_NAME]:
+                    path.unlink()  # while still locked: a peer that opens it now gets a fresh one
+                    self.run_dir.rmdir()
+            except OSError:
+                pass  # something appeared meanwhile: leave it all
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)

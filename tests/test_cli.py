@@ -67,6 +67,9 @@ def test_bad_input_gives_one_line_error(tmp_path, args, cause):
     line = _one_error_line(proc)
     assert cause in line, proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # Nor a run dir holding only the lock file: a failed start that created it takes it away again.
+    run = tmp_path / "run"
+    assert not run.exists() or any(p.name != ".lock" for p in run.iterdir()), sorted(run.iterdir())
     if "--dataset" in args and "--initial-peers" in args:
         assert "initial peer" not in proc.stderr.replace(line, ""), proc.stderr
 
