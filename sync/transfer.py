@@ -41,6 +41,7 @@ from sync.codec import COMPRESSION_TYPES, parse_request_metadata as _parse_reque
 from sync.codec import parse_uid as _parse_uid
 from sync.codec import serialize_tensor as _serialize_tensor
 from sync.fetch_client import ExpertClient, FetchedExpert  # noqa: F401 (FetchedExpert: imported from here)
+from sync.hivemind_private import listen_maddr
 from sync.validate import RejectCounter
 
 logger = get_logger(__name__)
@@ -141,8 +142,7 @@ class ExpertExchange(ExpertClient):
     async def _astart(self, dht: DHT) -> None:
         # A private P2P replica, not dht.replicate_p2p() (cached per DHT object): other components replicating
         # on their own event loops are then not bound to this loop, and our shutdown does not close theirs.
-        get_maddr = DHT._get_p2p_daemon_listen_maddr  # what dht.replicate_p2p() itself asks the DHT process
-        maddr = await asyncio.get_running_loop().run_in_executor(None, dht.run_coroutine, get_maddr)
+        maddr = await asyncio.get_running_loop().run_in_executor(None, listen_maddr, dht)
         self._p2p = await P2P.replicate(maddr)
         await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
 
