@@ -81,6 +81,8 @@ class Contributions(Repair):
         self._misses: dict[str, int] = {}
         self._skip_until: dict[str, int] = {}
         self._delivered_ever: set[str] = set()
+        # peer -> (the last round it was behind and silent in, its record's round then)
+        self._silent_behind: dict[str, tuple[int, int]] = {}
         self._kept: dict[str, torch.Tensor] = {}  # the last contribution's unsent part (sync.sparse.keep_residual)
         self._solo: set[int] = set()  # owned experts only this peer contributed to in the last round
         self._received = {"shared": 0.0, "expert": 0.0}  # blob bytes fetched, split by their tensors' make-up
@@ -279,9 +281,16 @@ class Contributions(Repair):
             if not waiting or now >= until or self._leaving:
                 for peer_id, r in waiting.items():
                     # At this round and silent, or promised to be ready for it (`due`) and was not: struck. One
-                    # behind without a promise may still be training; a promise is waited for only once in a row.
-                    if r.round == self.round_id or (r.due and r.due[0] == self.round_id):
+                    # behind without a promise may still be training; behind and silent in the previous round too,
+                    # with a record that did not move on or a peer that never delivered, it is struck as well (a
+                    # record with nothing behind it costs one wait, not one per round).
+                    last = self._silent_behind.get(peer_id)
+                    stuck = last is not None and last[0] == self.round_id - 1 and (
+                        last[1] == r.round or peer_id not in self._delivered_ever)
+                    if r.round == self.round_id or (r.due and r.due[0] == self.round_id) or stuck:
                         self._missed(peer_id, "announced no contribution in time")
+                    else:
+                        self._silent_behind[peer_id] = (self.round_id, r.round)
                 return records, announced
             time.sleep(0.2)
 
@@ -297,6 +306,7 @@ class Contributions(Repair):
 
     def _delivered(self, peer_id: str) -> None:
         self._delivered_ever.add(peer_id)
+        self._silent_behind.pop(peer_id, None)
         self._misses.pop(peer_id, None)
         self._skip_until.pop(peer_id, None)
 

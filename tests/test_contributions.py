@@ -318,3 +318,17 @@ def test_a_broken_promise_to_be_ready_is_waited_for_once(swarm_factory):
         assert report.group_size == 1, report
         waits.append(report.timing["wait"])
     assert waits[0] >= 3.0 and waits[1] < 1.0, waits
+
+
+def test_a_record_that_stays_a_round_behind_and_silent_is_waited_for_once(swarm_factory):
+    """A record a round behind may still be training: waited for (matchmaking_time) once; still behind and silent
+    in the next round, it is struck and then skipped (a record copying an honest peer's, with nothing behind it,
+    held every round up by matchmaking_time: bench.byzantine's c_copyset)."""
+    cfg = contrib_cfg(matchmaking_time=1.5, round_timeout=20.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    round_all([a, b])
+    waits = []
+    for step in (2, 3, 4):  # b never starts another round: its record stays at round 1
+        a.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
+        waits.append(a.sync.finish_round(block=True).timing["wait"])
+    assert waits[0] >= 1.5 and waits[1] >= 1.5 and waits[2] < 1.0, waits
