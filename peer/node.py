@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import json
 import time
 from typing import Sequence
 
@@ -291,6 +292,16 @@ class PeerNode:
         trainer.rounds = report.round_id
         if self.metrics is not None:
             self.metrics.observe_round(report.seconds)
+        # One structured line per applied round (rounds.jsonl beside metrics.jsonl): what the log line says, for
+        # tools and tests that should not parse log text (peer.plot).
+        line = {"round": report.round_id, "step": trainer.step, "time": time.time(), "seconds": report.seconds,
+                "blocked_s": report.blocked_seconds, "contributions": report.group_size, "peers": report.peers_seen,
+                "experts_synced": report.experts_synced, "missing": report.experts_missing,
+                "rejected": report.rejected, "adopted": report.adopted, "given_back": report.given_back,
+                "redownloaded": report.redownloaded, "merge_alpha": report.merge_alpha,
+                "timing": {k: round(v, 4) for k, v in report.timing.items()}}
+        with open(trainer.run_dir / "rounds.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
         logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} applied at step {trainer.step}: "
                     f"shared group {report.group_size}, experts synced {len(report.experts_synced)}, "
                     f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "

@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start over: move an existing run dir aside to RUN_DIR.old-TIME (never deleted) instead of "
                         "resuming from it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field by dotted path, e.g. --set model.d_model=512 (repeatable)")
+                   help="override any config field by dotted path, e.g. --set model.d_model=512 (repeatable); every "
+                        "key with its meaning: peer/config.py (run, train., data., network., metrics., admission.), "
+                        "model/config.py (model.), sync/config.py (sync.)")
     return p
 
 

@@ -3,6 +3,7 @@ aggregates every contribution itself, and honest peers end each round with bit-i
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -244,6 +245,11 @@ def test_peer_processes_contribute_and_agree(tmp_path, processes):
         assert p.returncode == 0, log[-3000:]
         records = [json.loads(l) for l in (tmp_path / f"peer{i}" / "metrics.jsonl").read_text().splitlines()]
         assert records[-1]["step"] == 60 and records[-1]["rounds"] >= 3, records[-1]
+        # Every applied round has its structured line (rounds.jsonl), as the log line says it.
+        rounds = [json.loads(l) for l in (tmp_path / f"peer{i}" / "rounds.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rounds] == sorted({r["round"] for r in rounds}) and len(rounds) >= 3, rounds
+        assert all(r["contributions"] >= 1 and r["seconds"] >= r["blocked_s"] >= 0 for r in rounds), rounds
+        assert len(re.findall(r"round \d+ applied at step", log)) == len(rounds)
         if sum(records[-1]["bytes_received"].values()) > 0:
             synced.append({r["synced_digest"] for r in records if r.get("synced_digest")})
     assert len(synced) >= 2 and set.intersection(*synced), synced
