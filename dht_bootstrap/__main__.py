@@ -9,12 +9,12 @@ unreachable initial peer, bad organizer key); 1 if the DHT process dies.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 import gc
 import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from hivemind.utils.logging import get_logger
 

@@ -12,12 +12,12 @@ Only `peer-id` and `revoke --initial-peers` load hivemind; the other commands st
 from __future__ import annotations
 
 import argparse
-from typing import Any
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from sync.admission import (REVOCATION_TTL_DAYS, Admission, AdmissionError, dht_admission_kwargs, encode_signed,
                             generate_organizer_key, load_organizer_public_key, peer_id_from_identity,
