@@ -325,6 +325,7 @@ def _fork_admits(gate: Gate, peer_ids: list[str], conn) -> None:
     conn.close()
 
 
+@pytest.mark.unit
 def test_a_run_looks_closed_when_most_other_records_carry_tickets():
     from sync.admission import looks_closed
     assert looks_closed([True, True]) and looks_closed([True, True, False])

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from sync.aggregate import (Announcement, aggregate, capped_weights, change_within, contributors, fetch_deadline,
-                            rounds_to_skip,
-                            majority_digest, median_clip_scales)
+                            majority_digest, median_clip_scales, rounds_to_skip)
+
+pytestmark = pytest.mark.unit  # the fast tier: pure decisions, no DHT (python -m pytest -m unit)
 
 
 def ann(round_id: int, size: int = 100) -> Announcement:

@@ -7,6 +7,8 @@ from peer.config import ConfigError, RunConfig, load_config, parse_override
 from sync.config import parse_expert_list
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.unit  # the fast tier: pure decisions, no DHT (python -m pytest -m unit)
+
 
 @pytest.mark.parametrize("name", ["tiny", "small", "paper-1b"])
 def test_shipped_configs_load(name):

@@ -32,6 +32,7 @@ def reference_merge(snapshot: dict[int, dict[str, torch.Tensor]], alpha: float, 
     return out
 
 
+@pytest.mark.unit
 def test_alpha_schedule_edges():
     cfg = MergeConfig(interval=500, alpha=0.05, decay_steps=10_000, topk=4)
     assert merge_alpha(0, cfg) == pytest.approx(0.05)
@@ -42,6 +43,7 @@ def test_alpha_schedule_edges():
     assert not merge_due(500, MergeConfig(alpha=0.0))
 
 
+@pytest.mark.unit
 def test_a_round_started_late_or_early_still_merges_once_per_interval():
     """Rounds start a step or two off the multiples of sync.merge.interval (held for a later peer, started early
     to join the swarm's round): the round whose steps cover a multiple merges, once, at that multiple's alpha."""
@@ -56,6 +58,7 @@ def test_a_round_started_late_or_early_still_merges_once_per_interval():
     assert [m for m in merged if m is not None] == [5, 10, 15, 20, 25, 30], merged
 
 
+@pytest.mark.unit
 def test_topk_never_picks_itself():
     g = torch.Generator().manual_seed(0)
     gate_up_EFD = torch.randn(6, 8, 5, generator=g)
@@ -67,6 +70,7 @@ def test_topk_never_picks_itself():
     assert neighbours[1, 0] == 3 and neighbours[3, 0] == 1
 
 
+@pytest.mark.unit
 def test_vectorized_merge_equals_the_reference():
     g = torch.Generator().manual_seed(1)
     snapshot = {e: {f"layers.{l}.{n}": torch.randn(*shape, generator=g) for l in range(2)

@@ -1,9 +1,12 @@
 """`python -m peer.plot` (issue 34 item 7): run dirs' metrics.jsonl and rounds.jsonl into one PNG."""
 from __future__ import annotations
 
+import pytest
 import json
 
 from peer import plot as peer_plot
+
+pytestmark = pytest.mark.unit  # the fast tier: pure decisions, no DHT (python -m pytest -m unit)
 
 
 def _run_dir(path, loss0: float):

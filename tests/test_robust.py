@@ -80,6 +80,7 @@ def test_far_future_and_malformed_records_are_refused(two_signed_dhts):
     assert list(seen) == [a.peer_id] and seen[a.peer_id].round == 1
 
 
+@pytest.mark.unit
 def test_median_round_ignores_one_liar():
     records = [PeerRecord(f"p{i}", [0], round=r) for i, r in enumerate([7, 7, 8, 2**31 - 1])]
     assert median_round(records) == 7
@@ -87,6 +88,7 @@ def test_median_round_ignores_one_liar():
     assert median_round([]) is None
 
 
+@pytest.mark.unit
 def test_coordinate_median_small_groups_pick_the_sorted_middle_exactly():
     """Groups of up to 4 take the median by min/max (no sort): the same values, bit for bit, as the sorted middle,
     also next to a peer's +-1e30 entries (no sums that could cancel) and with ties."""
@@ -101,6 +103,7 @@ def test_coordinate_median_small_groups_pick_the_sorted_middle_exactly():
             assert torch.equal(coordinate_median(x), 0.5 * (sorted_x[(n - 1) // 2] + sorted_x[n // 2]))
 
 
+@pytest.mark.unit
 def test_centered_clip_is_the_plain_mean_without_outliers():
     torch.manual_seed(0)
     base = torch.randn(1000)
@@ -110,6 +113,7 @@ def test_centered_clip_is_the_plain_mean_without_outliers():
     assert torch.equal(centered_clip(x, w), mean)
 
 
+@pytest.mark.unit
 def test_centered_clip_bounds_one_attacker():
     torch.manual_seed(0)
     honest = torch.randn(1000) + 0.05 * torch.randn(3, 1000)
@@ -122,6 +126,7 @@ def test_centered_clip_bounds_one_attacker():
         assert float(torch.linalg.vector_norm(out - honest_mean)) < 2 * spread
 
 
+@pytest.mark.unit
 def test_robust_mean_of_expert_copies():
     honest = [{"w": torch.ones(4, 4) + 0.01 * i, "b": torch.ones(4)} for i in range(3)]
     forged = {"w": -9 * torch.ones(4, 4), "b": -9 * torch.ones(4)}

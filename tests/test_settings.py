@@ -21,6 +21,7 @@ from sync.settings import (MAX_ENTRIES, first_difference, fingerprint, is_finger
 from tests.conftest import peer_cmd
 
 
+@pytest.mark.unit
 def test_fingerprint_is_canonical_and_names_what_differs():
     tiny = run_settings(load_config("configs/tiny.yaml", []))
     wider = run_settings(load_config("configs/tiny.yaml", [parse_override("model.d_model=128")]))
@@ -35,12 +36,14 @@ def test_fingerprint_is_canonical_and_names_what_differs():
     assert fingerprint(local) == fingerprint(tiny)
 
 
+@pytest.mark.unit
 def test_the_run_fingerprint_is_the_most_published_and_ties_pick_the_same():
     assert run_fingerprint(["b" * 16, "a" * 16, "b" * 16, ""]) == "b" * 16
     assert run_fingerprint(["b" * 16, "a" * 16]) == "a" * 16
     assert run_fingerprint(["", ""]) is None
 
 
+@pytest.mark.unit
 def test_settings_values_are_bounded():
     assert is_settings({"model.d_model": 64, "sync.outer": "avg", "x": None, "y": 0.5, "z": True})
     for bad in ([], {1: 2}, {"a": float("nan")}, {"a": [1]}, {"a": "x" * 300}, {"": 1},
@@ -48,6 +51,7 @@ def test_settings_values_are_bounded():
         assert not is_settings(bad), bad
 
 
+@pytest.mark.unit
 def test_only_content_addressed_settings_entries_are_stored():
     validator = RunRecordValidator("run", num_experts=4)
     key = DHTID.generate(source=settings_key("run")).to_bytes()

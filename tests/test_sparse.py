@@ -15,6 +15,8 @@ import torch
 from sync.sparse import (METHODS, VERSION, CodecError, SparseSpec, blob_digest, decode, encode, encoded_size,
                          pack_bits, unpack_bits)
 
+pytestmark = pytest.mark.unit  # the fast tier: pure decisions, no DHT (python -m pytest -m unit)
+
 PREFIX = struct.Struct("<4sBI")
 
 

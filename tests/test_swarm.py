@@ -193,6 +193,7 @@ def test_finished_peer_leaves_without_making_the_others_adopt_its_experts(swarm_
     assert a.swarm.finished_experts() == set()  # owned again: if its new owner dies, it is adopted as usual
 
 
+@pytest.mark.unit
 def test_record_parsing_refuses_hostile_values():
     from sync.swarm import PeerRecord
     assert PeerRecord.from_value("p", {"experts": [1, 0], "round": 2}, 4).experts == [0, 1]
@@ -214,6 +215,7 @@ def test_record_parsing_refuses_hostile_values():
     assert not check_record_payload({**timed.to_value(), "due": [4, float("inf")]}, 4)
 
 
+@pytest.mark.unit
 def test_least_covered_and_adoption_rules_are_deterministic():
     from sync.swarm import least_covered
     coverage = {0: 2, 1: 0, 2: 1, 3: 0}
