@@ -14,25 +14,15 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
 
 from hivemind.utils.logging import get_logger
 
-from peer.logs import setup_logging
-
 from dht_bootstrap import DEFAULT_PORT, default_host_maddrs
 from dht_bootstrap.node import BootstrapError, BootstrapNode
+from peer.cli import OneLineParser
+from peer.logs import setup_logging
 
 logger = get_logger(__name__)
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # one line, not usage + error (as peer.run)
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _port(text: str) -> int:
@@ -66,7 +56,7 @@ _count.__name__ = "positive integer"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dht_bootstrap",
+    p = OneLineParser(prog="python -m dht_bootstrap",
                 description="A long-lived hivemind DHT node for a SPES run: peers join through it; it reports the "
                             "run's peers, expert coverage and tokens from the DHT records.")
     listen = p.add_mutually_exclusive_group()

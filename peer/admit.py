@@ -17,22 +17,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from peer.cli import OneLineParser
 from sync.admission import (REVOCATION_TTL_DAYS, Admission, AdmissionError, dht_admission_kwargs, encode_signed,
                             generate_organizer_key, load_organizer_public_key, peer_id_from_identity,
                             publish_revocation, sign_revocation, sign_ticket)
 
 PROG = "python -m peer.admit"
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # one line, not usage + error (as peer.run)
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _days(text: str) -> float:
@@ -46,9 +37,9 @@ _days.__name__ = "positive number of days"  # argparse names the type in its mes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Closed runs: the organizer's key, volunteers' peer IDs, tickets and "
+    p = OneLineParser(prog=PROG, description="Closed runs: the organizer's key, volunteers' peer IDs, tickets and "
                                        "revocations (docs/DESIGN.md, section Closed runs).")
-    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
     keygen = commands.add_parser("keygen", help="create the organizer key pair and print its public key",
                                  description="Create the organizer key pair. The private key goes to --out (mode "

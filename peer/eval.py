@@ -26,21 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from peer.cli import OneLineParser
+
 # A plain logger: peer.logs.setup_logging routes it through hivemind's handler (one format with peer.run), and
 # importing hivemind here would cost seconds before a bad path could be reported.
 logger = logging.getLogger(__name__)
 
 TASK_NAME = "spes_heldout"
 EVAL_INFO_FILE = "spes_eval.json"  # = model.export.EVAL_INFO_FILE; not imported: bad flags must fail before torch
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # one line, not usage + error
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _positive(text: str) -> int:
@@ -54,7 +47,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m peer.eval", description="Held-out loss and perplexity of a run dir (its newest "
+    p = OneLineParser(prog="python -m peer.eval", description="Held-out loss and perplexity of a run dir (its newest "
                 "complete checkpoint) or of a folder written by python -m model.export.")
     p.add_argument("path", metavar="RUN_DIR_OR_EXPORT", help="run dir (config.yaml, checkpoints/) or export folder "
                    "(config.json, spes_eval.json)")

@@ -15,20 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from peer.cli import OneLineParser
+
 PROG = "python -m peer.plot"
 
 
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # one line, as peer.run
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Loss, held-out loss, tokens/s and round time of run dirs in one PNG.")
+    p = OneLineParser(prog=PROG, description="Loss, held-out loss, tokens/s and round time of run dirs in one PNG.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs (each with metrics.jsonl)")
     p.add_argument("--out", default="runs.png", metavar="FILE.png", help="where the PNG goes (default: runs.png)")
     p.add_argument("--x", choices=("step", "tokens", "time"), default="step",

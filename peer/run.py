@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
+from peer.cli import OneLineParser
 from peer.config import ConfigError, RunConfig, load_config, parse_override
 
 if TYPE_CHECKING:
@@ -33,15 +34,6 @@ logger = get_logger(__name__)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # What p2pd says when a listen address is taken: "listen tcp4 127.0.0.1:41965: bind: address already in use".
 _DAEMON_PORT_IN_USE = re.compile(r"listen \S+ \S*:(\d+): bind: address already in use")
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # one line, not usage + error
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _built_in_defaults() -> dict[str, Any]:
@@ -57,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def config(key: str) -> str:  # where a flag's default comes from, and what it is without --config
         return f"(config: {key}; default {d[key]!r})"
-    p = _Parser(prog="python -m peer.run", description="Train one SPES peer (Mixture-of-Experts, sparse expert sync). "
+    p = OneLineParser(prog="python -m peer.run", description="Train one SPES peer (Mixture-of-Experts, sparse expert sync). "
                 "Flags override the config file; every config field can be set with --set.")
     p.add_argument("--config", metavar="FILE", help="YAML run config (configs/*.yaml); flags override it "
                    "(default: the built-in small config, which trains on built-in data)")

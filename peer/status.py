@@ -21,23 +21,16 @@ from typing import Any
 
 from hivemind.utils.logging import get_logger
 
+from peer.cli import OneLineParser
+
 logger = get_logger(__name__)
 
 PROG = "python -m peer.status"
 ANY_EXPERTS = 4096  # the records' expert indices are only bounded by this until the run's settings are read
 
 
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # one line, as peer.run
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="A run's peers, experts and rounds, read from its DHT records (no training).")
+    p = OneLineParser(prog=PROG, description="A run's peers, experts and rounds, read from its DHT records (no training).")
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                    help="full multiaddrs of the run's bootstrap node or any peer (/ip4/.../tcp/.../p2p/...)")
     p.add_argument("--run-id", default="spes-demo", help="the run to show (default: spes-demo)")
