@@ -184,14 +184,15 @@ class PeerNode:
             swarm.shutdown(withdraw=False)  # the record is the other process's: leave it alone
             raise SwarmError(f"peer ID {swarm.peer_id} is already live in run {cfg.run_id}: another process "
                              f"uses this identity (give each peer its own --identity-path)")
+        records = swarm.peers()  # one read for both checks below
         if self.admission is None:
             from sync.admission import looks_closed
-            if looks_closed([bool(r.ticket) for p, r in swarm.peers().items() if p != swarm.peer_id]):
+            if looks_closed([bool(r.ticket) for p, r in records.items() if p != swarm.peer_id]):
                 swarm.shutdown(withdraw=False)
                 raise SwarmError(f"run {cfg.run_id} is closed: its peers hold organizer tickets; ask the organizer "
                                  f"for a ticket for this peer's ID, then pass --organizer-key KEY --ticket FILE "
                                  f"--identity-path FILE (README, \"Closed runs\")")
-        mismatch = swarm.settings_mismatch()  # before this peer publishes anything or downloads a tensor
+        mismatch = swarm.settings_mismatch(records)  # before this peer publishes anything or downloads a tensor
         if mismatch is not None:
             swarm.shutdown(withdraw=False)
             raise SwarmError(mismatch)

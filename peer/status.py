@@ -82,7 +82,6 @@ def format_status(run_id: str, status: dict[str, Any]) -> str:
 
 def read_run(initial_peers: list[str], run_id: str, timeout: float) -> tuple[dict[str, Any], int]:
     """(live records, number of experts) of `run_id`, through a DHT client started and stopped here."""
-    from sync.settings import is_settings, run_fingerprint, settings_key
     from sync.swarm import Swarm, start_dht
     dht = start_dht(initial_peers, ("/ip4/0.0.0.0/tcp/0",), run_id=run_id, num_experts=ANY_EXPERTS,
                     client_mode=True, join_timeout=timeout)
@@ -94,11 +93,8 @@ def read_run(initial_peers: list[str], run_id: str, timeout: float) -> tuple[dic
             if not records:
                 time.sleep(0.5)
         num_experts = 1 + max((e for r in records.values() for e in r.experts), default=-1)
-        run = run_fingerprint(r.cfg for r in records.values())
-        found = dht.get(settings_key(run_id), latest=True) if run else None
-        entry = found.value.get(run) if found is not None and isinstance(found.value, dict) else None
-        settings = getattr(entry, "value", None)
-        if is_settings(settings) and isinstance(settings.get("model.num_experts"), int):
+        _, settings = swarm.run_settings(records.values())
+        if settings is not None and isinstance(settings.get("model.num_experts"), int):
             num_experts = settings["model.num_experts"]
         return records, num_experts
     finally:

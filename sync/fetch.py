@@ -33,7 +33,7 @@ class ExpertFetching:
         self.round_id = max(self.round_id, swarm_round)
         sources = [p for p, r in others.items() if abs(r.round - swarm_round) <= 1]
         random.shuffle(sources)
-        copies = self._download_shared(sources, want=3)
+        copies = self._download_shared(sources, want=3, timeout=min(self.cfg.round_timeout, 30.0))
         if self.shared.load_state(copies):
             logger.info(f"downloaded the shared tensors of round {self.round_id} from {len(copies)} peer(s)")
         else:
@@ -91,11 +91,7 @@ class ExpertFetching:
         out.update({f"{n}.step": tensors["step"] for n in self.model.expert_tensors(expert)})
         return out
 
-    def _download_shared(self, sources: list[str], want: int) -> list[list[torch.Tensor]]:
-        """Shared-state copies from up to `want` of `sources` (fetched concurrently, more tried if some fail)."""
-        return self._download_synced_shared(sources, want, min(self.cfg.round_timeout, 30.0))
-
-    def _download_synced_shared(self, sources: list[str], want: int, timeout: float) -> list[list[torch.Tensor]]:
+    def _download_shared(self, sources: list[str], want: int, timeout: float) -> list[list[torch.Tensor]]:
         """The synchronized shared values each source published with its latest apply (sync/contributions.py), exact, from up to `want` sources at once (more tried if some fail); names must match."""
         names = [n for n, _ in self.model.shared_parameters()]
         copies: list[list[torch.Tensor]] = []

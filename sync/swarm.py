@@ -399,20 +399,28 @@ class Swarm:
                            get_dht_time() + SETTINGS_LIFETIME)
             self._settings_stored_at = time.monotonic()
 
-    def settings_mismatch(self) -> str | None:
-        """Why this peer cannot take part in the run (its settings are not those most live peers publish), naming
-        the first setting that differs and the run's value; None when they agree or nobody else is there."""
+    def run_settings(self, others: Iterable[PeerRecord]) -> tuple[str | None, dict[str, Any] | None]:
+        """(the fingerprint most of `others` publish, the settings stored under it if found and valid)."""
+        run = run_fingerprint(r.cfg for r in others)
+        if run is None:
+            return None, None
+        found = self.dht.get(settings_key(self.run_id), latest=True)
+        entry = found.value.get(run) if found is not None and isinstance(found.value, dict) else None
+        settings = getattr(entry, "value", None)
+        return run, settings if is_settings(settings) else None
+
+    def settings_mismatch(self, records: dict[str, PeerRecord]) -> str | None:
+        """Why this peer cannot take part in the run (its settings are not those most live `records` publish),
+        naming the first setting that differs and the run's value; None when they agree or nobody else is there."""
         if not self.settings:
             return None
-        others = [r for p, r in self.peers().items() if p != self.peer_id]
+        others = [r for p, r in records.items() if p != self.peer_id]
         run = run_fingerprint(r.cfg for r in others)
         if run is None or run == self.record.cfg:
             return None
         count = sum(r.cfg == run for r in others)
-        found = self.dht.get(settings_key(self.run_id), latest=True)
-        entry = found.value.get(run) if found is not None and isinstance(found.value, dict) else None
-        theirs = getattr(entry, "value", None)
-        difference = first_difference(theirs, self.settings) if is_settings(theirs) else None
+        _, theirs = self.run_settings(others)
+        difference = first_difference(theirs, self.settings) if theirs is not None else None
         if difference is None:
             return (f"this peer's settings differ from those of run {self.run_id} ({count} live peer(s); "
                     f"fingerprint {run}, this peer {self.record.cfg}): start it with the run's config")
