@@ -300,6 +300,7 @@ class PeerNode:
                 "experts_synced": report.experts_synced, "missing": report.experts_missing,
                 "rejected": report.rejected, "adopted": report.adopted, "given_back": report.given_back,
                 "redownloaded": report.redownloaded, "merge_alpha": report.merge_alpha,
+                "base_digest": report.base_digest, "blobs": report.blobs, "digest": report.digest,
                 "timing": {k: round(v, 4) for k, v in report.timing.items()}}
         with open(trainer.run_dir / "rounds.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -198,6 +198,8 @@ class Contributions(Repair):
                 self._missed(peer_id, "sent an undecodable contribution")
         report.group_size = len(decoded)
         report.expected = len(announced) + 1
+        report.base_digest = self._base_digest
+        report.blobs = sorted([digest] + [announced[p].digest for p in decoded if p != self.swarm.peer_id])
         self._shared_result = self._aggregate_shared(decoded, weights)
         # A single owner's expert change is judged against how much an honest round changes things: the
         # contributors' median relative change (each one's largest over its shared tensors and experts), the same

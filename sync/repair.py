@@ -36,6 +36,7 @@ class Repair:
         self.divergent_rounds = 0
         self.repairs = 0
         self._digest_round = -1
+        self._base_digest = ""  # what this round's aggregate is added to (RoundReport.base_digest)
         # Round-(r-1) values fetched from the majority: shared list and experts, applied at this round's apply.
         self._repaired_shared: list[torch.Tensor] | None = None
         self._repaired_experts: dict[int, Snapshot] = {}
@@ -55,6 +56,7 @@ class Repair:
         """Compare this peer's digest of its last applied round with the others' for the same round; fetch the
         majority's values of that round if they differ (network thread, before this round aggregates)."""
         self._repaired_shared, self._repaired_experts = None, {}
+        self._base_digest = self.synced_digest
         if not self.synced_digest:
             return
         digests = {p: r.synced[1] for p, r in others.items() if r.synced and r.synced[0] == self._digest_round}
@@ -100,6 +102,7 @@ class Repair:
                            f"keeping this peer's")
             return
         self._repaired_shared, self._repaired_experts = shared, fetched_experts
+        self._base_digest = digest
         self.repairs += 1
         logger.info(f"repair: took round {round_id}'s synchronized values from {len(sources)} peer(s) holding the "
                     f"majority's digest")

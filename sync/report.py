@@ -27,6 +27,12 @@ class RoundReport:
     # Logged with the round line, for tuning.
     timing: dict[str, float] = field(default_factory=dict)
     blocked_seconds: float = 0.0        # of which the training loop waited
+    # Determinism, checkable from outside (rounds.jsonl): the digest of the synchronized state this round's
+    # aggregate was added to (this peer's last, or the majority's after a repair), the sha256 of every
+    # contribution aggregated (sorted), and the digest after the apply. Equal base and blobs: equal digest.
+    base_digest: str = ""
+    blobs: list[str] = field(default_factory=list)
+    digest: str = ""
 
 
 @dataclass

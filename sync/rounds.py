@@ -265,6 +265,7 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
             self._merge_since = pending.step
             self._expert_synced = {e: {k: v.float().clone() for k, v in synced[e].items()} for e in synced}
         self._after_contribution_apply()
+        report.digest = self.synced_digest
         self._track_alone(report)
         # A peer that is itself stopping changes no ownership: peers stopped together (Ctrl-C on a machine running
         # several, a test's teardown) adopted each other's experts in their last round after one's tombstone

@@ -223,10 +223,11 @@ def test_kept_residual_stays_in_the_live_model_and_goes_out_later(swarm_factory)
 
 @pytest.mark.slow
 def test_peer_processes_contribute_and_agree(tmp_path, processes):
-    """Three `python -m peer.run` processes with contribution rounds: they train and exit 0, and peers that
-    aggregated each other's contributions held the same synchronized digest (read from metrics.jsonl).
-    (On two loaded cores one peer may start seconds late and run its first rounds alone: the test
-    asks for agreement among the peers that did sync, not that all three always did.)"""
+    """Three `python -m peer.run` processes with contribution rounds: they train and exit 0, and peers that added
+    the same contributions to the same synchronized state hold the same bits after the round (rounds.jsonl's
+    base_digest, blobs and digest). On two loaded cores a peer may miss another's contribution in some round
+    (it was late) and be repaired a round later, so the test does not ask all three to agree in a given round;
+    it asks that the determinism claim holds wherever it applies, and that it applied at least once."""
     from tests.test_e2e import _start_bootstrap
 
     bootstrap, maddr = _start_bootstrap(processes)
@@ -239,7 +240,7 @@ def test_peer_processes_contribute_and_agree(tmp_path, processes):
         for i in range(3)]
     for p in peers:
         p.wait(timeout=400)
-    synced = []
+    by_input: dict[tuple, dict[int, str]] = {}  # (round, base digest, blobs) -> {peer: digest after the round}
     for i, p in enumerate(peers):
         log = (tmp_path / f"peer{i}.log").read_text()
         assert p.returncode == 0, log[-3000:]
@@ -249,10 +250,15 @@ def test_peer_processes_contribute_and_agree(tmp_path, processes):
         rounds = [json.loads(l) for l in (tmp_path / f"peer{i}" / "rounds.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rounds] == sorted({r["round"] for r in rounds}) and len(rounds) >= 3, rounds
         assert all(r["contributions"] >= 1 and r["seconds"] >= r["blocked_s"] >= 0 for r in rounds), rounds
+        assert all(len(r["blobs"]) == r["contributions"] and r["digest"] for r in rounds), rounds
         assert len(re.findall(r"round \d+ applied at step", log)) == len(rounds)
-        if sum(records[-1]["bytes_received"].values()) > 0:
-            synced.append({r["synced_digest"] for r in records if r.get("synced_digest")})
-    assert len(synced) >= 2 and set.intersection(*synced), synced
+        for r in rounds:
+            if r["base_digest"] and not r["redownloaded"] and r["contributions"] > 1:
+                by_input.setdefault((r["round"], r["base_digest"], tuple(r["blobs"])), {})[i] = r["digest"]
+    shared = {k: v for k, v in by_input.items() if len(v) >= 2}
+    why = "\n".join(f"{k[0]} base {k[1][:6]} blobs {[b[:6] for b in k[2]]}: {v}" for k, v in sorted(by_input.items()))
+    assert shared, why
+    assert all(len(set(v.values())) == 1 for v in shared.values()), why
     bootstrap.terminate()
     bootstrap.wait(timeout=30)
 
