@@ -21,7 +21,7 @@ from typing import Sequence
 from hivemind.utils.logging import get_logger
 
 from peer.callbacks import Callback
-from peer.config import RunConfig, run_settings
+from peer.config import ConfigError, RunConfig, run_settings
 from peer.metrics import PeerMetrics
 from peer.optim import expert_moments, load_expert_moments
 from peer.train import Trainer
@@ -234,6 +234,11 @@ class PeerNode:
     def _maybe_sync(self, trainer: Trainer) -> None:
         """After every step: apply a finished round; every `sync.every` steps start the next one."""
         start = time.perf_counter()
+        if self.swarm.twin is not None:  # read by the swarm's reader within a second of the other's store
+            identity = self._dht_args[3]
+            raise ConfigError(f"peer ID {self.swarm.peer_id} is live in another process of run {self.cfg.run_id} "
+                              f"that started first (identity file {identity}): this one stops; give each peer its "
+                              f"own --identity-path")
         self.sync.step_done()  # this step's loss was finite: the round applied before it is kept
         self._log_round(self.sync.finish_round(block=False), trainer)
         if self.sync.handed_over:  # moments of experts a round just adopted from a leaving peer (sync/leave.py)

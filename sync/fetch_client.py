@@ -3,7 +3,8 @@
 A mixin of `sync.transfer.ExpertExchange`, in its own file to keep that one readable: it uses the exchange's
 event loop, P2P replica, servicer stub, codec executor and byte counters. A fetch asks one peer for one expert,
 its synchronized shared values or an owned expert's AdamW moments; collects the streamed parts with bounded
-buffering (`max_fetch_bytes`); checks that every announced tensor arrived whole; and decodes without unpickling.
+buffering (`response_limit`: what the asked-for tensors take in fp32, from the model's own sizes; without it
+`max_fetch_bytes`); checks that every announced tensor arrived whole; and decodes without unpickling.
 A stream cut short is retried once within the same timeout; a malformed one is refused and counted as
 "malformed" (docs/DESIGN.md, "Hostile peers"). The first message's metadata is checked by sync/codec.py
 `parse_metadata`; keys it does not know are ignored.
@@ -22,7 +23,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 
 from sync.codec import IncompleteResponse, MalformedResponse, deserialize_parts as _deserialize_parts
-from sync.codec import SHARED_KEY, make_uid as _make_uid, parse_metadata as _parse_metadata
+from sync.codec import SHARED_KEY, make_uid as _make_uid, parse_metadata as _parse_metadata, parse_uid
 
 logger = get_logger(__name__)
 
@@ -128,7 +129,7 @@ class ExpertClient:
         stream = await stub.rpc_get_expert(runtime_pb2.ExpertRequest(uid=uid, metadata=options))
         meta: dict | None = None
         groups: list[list[runtime_pb2.Tensor]] = []
-        received = 0
+        received, limit = 0, self._limit(uid)
         try:
             async for message in stream:
                 if meta is None:
@@ -138,7 +139,7 @@ class ExpertClient:
                 elif message.metadata:
                     raise MalformedResponse("metadata after the first message")
                 for part in message.tensors:
-                    received = self._collect(part, groups, received, "expert")
+                    received = self._collect(part, groups, received, "expert", limit)
                 if len(groups) == len(meta["names"]) and all(len(g) >= max(g[0].chunks, 1) for g in groups):
                     # Everything announced arrived: do not wait for the end of the stream (a stream whose server
                     # took a while before answering was seen to stay open at the daemon after the server
@@ -154,13 +155,21 @@ class ExpertClient:
             raise IncompleteResponse("empty response stream")
         return meta, groups
 
+    def _limit(self, uid: str) -> int:
+        """The most payload bytes a response to `uid` may bring (ExpertExchange.response_limit)."""
+        parsed = parse_uid(uid)
+        if parsed is None or self.response_limit is None:
+            return self.max_fetch_bytes
+        moments, expert, _ = parsed
+        return min(self.max_fetch_bytes, self.response_limit(expert, moments))
+
     def _collect(self, part: runtime_pb2.Tensor, groups: list[list[runtime_pb2.Tensor]], received: int,
-                 kind: str) -> int:
+                 kind: str, limit: int) -> int:
         """Count one streamed part and file it under its tensor; returns the bytes received so far."""
         received += len(part.buffer)
         self._count("received", len(part.buffer), kind=kind)
-        if received > self.max_fetch_bytes:
-            raise MalformedResponse(f"response exceeds {self.max_fetch_bytes} bytes")
+        if received > limit:
+            raise MalformedResponse(f"response exceeds {limit} bytes (what the tensors asked for take)")
         if part.dtype:  # hivemind's streaming marks the first part of each tensor by its dtype
             groups.append([part])
         elif groups:

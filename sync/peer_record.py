@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from sync.aggregate import Announcement
-from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_contrib, is_due, is_synced
+from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_contrib, is_due, is_origin, is_synced
 from sync.settings import is_fingerprint
 
 
@@ -33,8 +33,9 @@ class PeerRecord:
     # A joiner choosing experts (--experts auto), before it owns any: the experts it means to take (Swarm.
     # choose_auto). Published only while `experts` is empty; readers count it like ownership when it beats them.
     claims: list[int] = field(default_factory=list)
-    # [machine, PID] of the process that publishes it (process_origin): a restarted peer tells its own crashed
-    # predecessor's record from a live duplicate at once when both ran on the same machine (live_elsewhere).
+    # [machine, PID, start ms] of the process that publishes it (process_origin): a restarted peer tells its own
+    # crashed predecessor's record from a live duplicate at once when both ran on the same machine
+    # (live_elsewhere), and of two live processes with one identity the later start gives way (Swarm.peers).
     origin: list = field(default_factory=list)
     # A clean leave's tombstone (experts empty): the experts it owned until then. The peers that saw it own them
     # adopt them on this one read instead of two (sync.ownership), so a leave is covered within one round.
@@ -120,7 +121,7 @@ class PeerRecord:
         if not isinstance(claims, list) or not all(type(e) is int and 0 <= e < num_experts for e in claims):
             return None
         origin = value.get("origin", [])
-        if origin and not _is_origin(origin):
+        if origin and not is_origin(origin):
             return None
         left = value.get("left", [])
         if not isinstance(left, list) or not all(type(e) is int and 0 <= e < num_experts for e in left) or (
@@ -155,18 +156,24 @@ def median_round(records: Iterable[PeerRecord]) -> int | None:
     return rounds[(len(rounds) - 1) // 2] if rounds else None
 
 
-def process_origin() -> list:
-    """[machine, PID] of this process: the machine is a hash of the boot ID and the PID namespace (PIDs are only
-    comparable within both; two containers on one host differ), so nothing about the host is published."""
+def process_origin(started: float | None = None) -> list:
+    """[machine, PID] of this process, and [.., start ms] with `started` (DHT time): the machine is a hash of the
+    boot ID and the PID namespace (PIDs are only comparable within both; two containers on one host differ), so
+    nothing about the host is published."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return []  # not Linux: no fast path, the watch decides
-    return [hashlib.sha256(f"{boot}:{namespace}".encode()).hexdigest()[:16], os.getpid()]
+    origin = [hashlib.sha256(f"{boot}:{namespace}".encode()).hexdigest()[:16], os.getpid()]
+    return origin if started is None else origin + [int(started * 1000)]
 
 
-def _is_origin(value: Any) -> bool:
-    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and len(value[0]) == 16
-            and type(value[1]) is int and 0 < value[1] < 2 ** 32)
+def twin_started_first(theirs: list, mine: list) -> bool:
+    """Of two live processes publishing under one peer ID, did the one of origin `theirs` start first (so the
+    one of `mine` gives way)? By start time, then by origin: every process decides the same. False when either
+    origin lacks a start time."""
+    if len(theirs) != 3 or len(mine) != 3:
+        return False
+    return (theirs[2], theirs[0], theirs[1]) < (mine[2], mine[0], mine[1])

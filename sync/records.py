@@ -15,7 +15,13 @@ neither stored by an honest node nor accepted from any node's answer. For the ru
 - On all of them, an expiration later than now + the key's lifetime bound is refused: no far-future tombstone or
   claim can be planted, and whatever a peer wrote dies within `record_ttl` once it stops refreshing it.
 
-Other keys pass through untouched.
+Every other key is refused: a stranger cannot park junk on the run's DHT nodes (they store nothing else).
+
+Verification is cheap first: a public key other than RSA 2048-4096 bits with exponent 65537 (what libp2p
+identities use) is refused before its signature is checked (a ~3,000-bit exponent made one check cost ~9 ms
+instead of ~0.05 ms); a value already verified (same key, subkey, value and expiration: the DHT hands the same
+records back on every read) is not verified again; and at most `MAX_RUN_RECORDS` peer IDs hold live records on
+one node (a flood of fresh identities fills that, not the node's memory and CPU).
 
 Wire format of a signed value: MSGPack `[b"spes-record-v1", payload, public_key_der, signature]`, where the
 signature (RSA PKCS#1 v1.5, SHA-256, as libp2p's RSA keys sign) covers MSGPack `[tag, dht key id, subkey bytes,
@@ -50,6 +56,11 @@ RECORD_TAG = b"spes-record-v1"
 # ~1e9) and far below anything that overflows a counter; steps and tokens have room for decades of training.
 MAX_ROUND, MAX_STEP, MAX_TOKENS = 2**31 - 1, 2**40, 2**62
 MAX_TICKET_BYTES, MAX_VALUE_BYTES = 2048, 16384
+RSA_EXPONENT, RSA_BITS = 65537, (2048, 4096)  # libp2p RSA identities (hivemind makes 2048-bit ones)
+# Live peer IDs with a record on one node. Every read of the run parses all of them; far above the swarms this
+# protocol is measured with (issue "Many peers"), far below what costs a node noticeable memory or CPU.
+MAX_RUN_RECORDS = 1024
+VERIFIED_CACHE = 4 * MAX_RUN_RECORDS  # verified (key, subkey, value, expiration) digests remembered
 # Revocations must outlive the tickets they revoke; they are organizer-signed, so a long bound plants nothing.
 REVOCATION_LIFETIME = 366 * 86400.0
 _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
@@ -58,7 +69,7 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # finished: the peer completed its fixed-length run and left; its experts are not adopted (docs/DESIGN.md
 # "Coverage").
 # claims: experts a joiner (owning none yet) means to take (sync.swarm.Swarm.choose_auto).
-# origin: [machine hash, PID] of the publishing process (sync.swarm.process_origin).
+# origin: [machine hash, PID, start ms] of the publishing process (sync.peer_record.process_origin).
 # left: in a clean leave's tombstone (no experts), the experts the peer owned (sync.ownership adopts them at once).
 # due: [round, DHT time] when the peer expects to be ready to start that round (sync.schedule).
 # contrib: [round, size, sha256 hex, weight, experts] of the peer's contribution blob (sync/contributions.py);
@@ -132,6 +143,13 @@ def is_contrib(value: Any, num_experts: int) -> bool:
             and type(value[3]) is int and 0 <= value[3] <= MAX_TOKENS and _expert_list(value[4], num_experts))
 
 
+def is_origin(value: Any) -> bool:
+    """A record's `origin` field: [machine hash (16 hex), PID] or [machine hash, PID, start ms]."""
+    return (isinstance(value, list) and len(value) in (2, 3) and isinstance(value[0], str) and len(value[0]) == 16
+            and type(value[1]) is int and 0 < value[1] < 2 ** 32
+            and (len(value) == 2 or (type(value[2]) is int and 0 <= value[2] < 2 ** 53)))
+
+
 def is_synced(value: Any) -> bool:
     """A record's `synced` field: [round, digest hex (32)]."""
     return (isinstance(value, list) and len(value) == 2 and type(value[0]) is int and 0 <= value[0] <= MAX_ROUND
@@ -156,9 +174,7 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
         return False
     if not _expert_list(value.get("left", []), num_experts) or (value.get("left") and experts):
         return False
-    origin = value.get("origin", [0, 0])
-    if not (isinstance(origin, list) and len(origin) == 2 and isinstance(origin[0], (str, int))
-            and len(str(origin[0])) <= 16 and type(origin[1]) is int and 0 <= origin[1] < 2 ** 32):
+    if "origin" in value and not is_origin(value["origin"]):
         return False
     if "due" in value and not is_due(value["due"]):
         return False
@@ -203,6 +219,8 @@ class RunRecordValidator(RecordValidatorBase):
             self._own_subkey = MSGPackSerializer.dumps(peer_id_of_public_key(self._public_der).to_base58())
         # Peers whose revocation this node has validated: their records are refused from then on.
         self._revoked: set[str] = set()
+        self._verified: dict[bytes, None] = {}  # digests of records that passed, oldest first (VERIFIED_CACHE)
+        self._live: dict[str, float] = {}  # peer ID -> the latest expiration of its record seen (MAX_RUN_RECORDS)
 
     @property
     def priority(self) -> int:
@@ -242,7 +260,7 @@ class RunRecordValidator(RecordValidatorBase):
         elif record.key == self._settings_key:
             ok = self._validate_settings(record)
         else:
-            return True
+            ok = False  # not a key of this run: nothing of the run's is stored there
         if not ok and self.rejects is not None:
             self.rejects.add("record")
         return ok
@@ -255,11 +273,36 @@ class RunRecordValidator(RecordValidatorBase):
             return None
 
     def _validate_peer_record(self, record: DHTRecord) -> bool:
-        if record.expiration_time > get_dht_time() + self.max_lifetime or len(record.value) > MAX_VALUE_BYTES:
+        now = get_dht_time()
+        if record.expiration_time > now + self.max_lifetime or len(record.value) > MAX_VALUE_BYTES:
             return False
         peer_id = self._subkey_peer(record)
-        if peer_id is None or peer_id in self._revoked:
+        if peer_id is None or peer_id in self._revoked or not self._room_for(peer_id, now):
             return False
+        digest = hashlib.sha256(MSGPackSerializer.dumps(
+            [record.key, record.subkey, record.value, record.expiration_time])).digest()
+        if digest in self._verified:
+            ok = True
+        else:
+            ok = self._verify_peer_record(record, peer_id)
+            if ok:
+                self._verified[digest] = None
+                while len(self._verified) > VERIFIED_CACHE:
+                    del self._verified[next(iter(self._verified))]
+        if ok:
+            self._live[peer_id] = max(self._live.get(peer_id, 0.0), record.expiration_time)
+        return ok
+
+    def _room_for(self, peer_id: str, now: float) -> bool:
+        """May this node hold (another) record of `peer_id`? Yes for a peer it holds one of, or while fewer than
+        MAX_RUN_RECORDS peer IDs have unexpired records."""
+        if peer_id in self._live or len(self._live) < MAX_RUN_RECORDS:
+            return True
+        for expired in [p for p, expiration in self._live.items() if expiration < now]:
+            del self._live[expired]
+        return len(self._live) < MAX_RUN_RECORDS
+
+    def _verify_peer_record(self, record: DHTRecord, peer_id: str) -> bool:
         try:
             tag, payload, public_der, signature = MSGPackSerializer.loads(record.value)
             if tag != RECORD_TAG or not all(isinstance(x, bytes) for x in (payload, public_der, signature)):
@@ -267,8 +310,10 @@ class RunRecordValidator(RecordValidatorBase):
             if peer_id_of_public_key(public_der).to_base58() != peer_id:
                 return False  # signed by someone else's key: the forged-subkey attack
             public_key = serialization.load_der_public_key(public_der)
-            if not isinstance(public_key, rsa.RSAPublicKey) or public_key.key_size > 8192:
+            if not isinstance(public_key, rsa.RSAPublicKey) or not RSA_BITS[0] <= public_key.key_size <= RSA_BITS[1]:
                 return False
+            if public_key.public_numbers().e != RSA_EXPONENT:
+                return False  # checked before the signature: a huge exponent makes verifying costly
             public_key.verify(signature, self._signed_message(record, payload), padding.PKCS1v15(), hashes.SHA256())
             value = MSGPackSerializer.loads(payload)
         except (InvalidSignature, ValueError, TypeError, Exception):  # any malformed input is just invalid
@@ -291,6 +336,8 @@ class RunRecordValidator(RecordValidatorBase):
     def _validate_revocation(self, record: DHTRecord) -> bool:
         if self.admission is None or record.expiration_time > get_dht_time() + REVOCATION_LIFETIME:
             return False  # an open run has no revocations
+        if len(record.value) > MAX_VALUE_BYTES:
+            return False
         peer_id = self._subkey_peer(record)
         try:
             revocation = MSGPackSerializer.loads(record.value)

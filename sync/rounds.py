@@ -34,6 +34,7 @@ from hivemind.utils.logging import get_logger
 from model.model import SpesMoE
 from sync.config import SyncConfig
 from sync.applying import Applying
+from sync.codec import SHARED_KEY
 from sync.contributions import Contributions
 from sync.durable import Durable
 from sync.fetch import ExpertFetching, Snapshot
@@ -52,6 +53,19 @@ logger = get_logger(__name__)
 
 
 STOP_GRACE = 6.0  # seconds a stopping peer still waits for its pending round (then checkpoint, leave: < 10 s)
+
+
+def response_limit(model: SpesMoE) -> Callable[[int, bool], int]:
+    """The most payload bytes a state-download response may bring, from the model's own sizes: the shared
+    tensors or one expert in fp32, an expert's moments (exp_avg, exp_avg_sq and a step per tensor), plus 1 %
+    and 64 KiB for the codec's headers."""
+    shared = sum(p.numel() for _, p in model.shared_parameters()) * 4
+    expert = sum(t.numel() for t in model.expert_tensors(0).values()) * 4
+
+    def limit(key: int, moments: bool) -> int:
+        payload = shared if key == SHARED_KEY else 2 * expert + 4096 if moments else expert
+        return payload + payload // 100 + 65536
+    return limit
 
 
 def _run_in_daemon_thread(fn: Callable, *args) -> concurrent.futures.Future:
@@ -84,7 +98,7 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         self._merge_since: int | None = None  # start step of the last applied round (sync.merge.merge_step)
         # Joiners' state downloads: whole tensors, exact (fp32; the frozen experts' storage dtype as held).
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression="none",
-                                       rejects=self.rejects, gate=gate)
+                                       rejects=self.rejects, gate=gate, response_limit=response_limit(model))
         self.shared = SharedTensors(model, cfg, rejects=self.rejects)
         # Last synchronized value of each owned expert (what its contribution is measured from).
         self._expert_synced: dict[int, Snapshot] = {}

@@ -25,7 +25,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.records import peers_key, revoked_key
-from sync.peer_record import PeerRecord, median_round, process_origin  # noqa: F401 (the swarm's API)
+from sync.peer_record import PeerRecord, median_round, process_origin, twin_started_first  # noqa: F401 (API)
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
 from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs
 from sync.settings import (SETTINGS_LIFETIME, fingerprint, first_difference, is_settings, run_fingerprint,
@@ -84,7 +84,7 @@ class Swarm:
     def __post_init__(self) -> None:
         self.peer_id = str(self.dht.peer_id)
         self.key = peers_key(self.run_id)
-        self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin(),
+        self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin(get_dht_time()),
                                  cfg=fingerprint(self.settings) if self.settings else "")
         self._settings_stored_at = -float("inf")
         self._lock = threading.Lock()
@@ -97,6 +97,10 @@ class Swarm:
         self._claims: dict[str, list[int]] = {}  # other joiners' claims seen by the last read (choose_auto)
         self._left: dict[int, set[str]] = {}  # expert -> peers whose clean-leave tombstone the last read showed
         self.withdrawn = False  # its tombstone is stored (a leaving peer: sync.leave stores it before the rest)
+        # The origin of another live process that publishes under this peer ID and started first (the same
+        # identity file twice): this one gives way, touching that record no more (peers(), _check_twin).
+        self.twin: list | None = None
+        self._stored_expiration = 0.0  # of this peer's latest record store
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -114,6 +118,9 @@ class Swarm:
             # Taken under the lock: of two publishes racing (the round's start, the heartbeat, sync.schedule's
             # estimate), the value built last expires last, and the DHT keeps the latest expiration.
             expiration = get_dht_time() + self.ttl
+            if self.twin is not None:
+                return  # the record under this peer ID is the other process's
+            self._stored_expiration = max(self._stored_expiration, expiration)
         if not wait:  # the heartbeat stores it again within ttl / 3 if this one fails
             self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=expiration,
                            return_future=True)
@@ -154,7 +161,9 @@ class Swarm:
 
     def _store(self, value: dict[str, Any], expiration: float, timeout: float = 15.0) -> bool:
         """Store this peer's record, bounded: a DHT process that died or hangs must not hang the heartbeat or
-        the shutdown."""
+        the shutdown. Nothing once a twin started first (the record under this peer ID is the other process's)."""
+        if self.twin is not None:
+            return False
         return self._store_at(self.key, self.peer_id, value, expiration, timeout)
 
     def _store_at(self, key: str, subkey: str, value: Any, expiration: float, timeout: float = 15.0) -> bool:
@@ -178,6 +187,8 @@ class Swarm:
             if not isinstance(subkey, str) or expiration < now or subkey in revoked or not _is_peer_id(subkey):
                 continue
             record = PeerRecord.from_value(subkey, value, self.num_experts)
+            if subkey == self.peer_id and record is not None:
+                self._check_twin(record, expiration)
             if record is not None and record.finished:
                 finished.update(record.experts)
             elif record is not None and record.experts:
@@ -195,6 +206,22 @@ class Swarm:
             self._claims = claims
             self._left = left
         return records
+
+    def _check_twin(self, record: PeerRecord, expiration: float) -> None:
+        """The record under this peer ID came from another process and was stored after this peer's latest
+        store (so that process is alive): the later start of the two gives way (twin); the earlier one stores
+        its record again now, so the later one sees it within a read."""
+        mine = self.record.origin
+        if (self.twin is not None or not self._stored_expiration or not record.origin or record.origin == mine
+                or record.finished or not record.experts or expiration <= self._stored_expiration):
+            return
+        if twin_started_first(record.origin, mine):
+            logger.error(f"another live process publishes as peer {self.peer_id} in run {self.run_id} and "
+                         f"started first: this one gives way")
+            self.twin = list(record.origin)
+            self._stop.set()  # no more refreshes of the other process's record
+        elif twin_started_first(mine, record.origin):
+            self.publish(wait=False)
 
     def left_by(self) -> dict[int, set[str]]:
         """Expert -> the peers whose clean-leave tombstone, in the last read, says they owned it until they left."""

@@ -94,11 +94,14 @@ class ExpertExchange(ExpertClient):
     rejects: where malformed responses are counted (reason "malformed"); a fresh counter if omitted.
     gate: in a closed run, the admission check (`async admits(peer_id) -> bool`, sync.admission.Gate) every
         request's libp2p-authenticated sender must pass; None (open run) serves everyone.
+    response_limit: (expert or SHARED_KEY, moments?) -> the most payload bytes a response may bring (the peer
+        derives it from its model: a stranger cannot make a fetch buffer more than the tensors asked for).
     """
 
     def __init__(self, dht: DHT, namespace: str, compression: str = "none", keep_rounds: int = 2,
                  rejects: RejectCounter | None = None, start_timeout: float = 30.0,
-                 max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES, gate=None) -> None:
+                 max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES, gate=None,
+                 response_limit: Callable[[int, bool], int] | None = None) -> None:
         if compression not in COMPRESSION_TYPES:
             raise ValueError(f"compression must be one of {sorted(COMPRESSION_TYPES)}, got {compression!r}")
         if keep_rounds < 1:
@@ -106,6 +109,7 @@ class ExpertExchange(ExpertClient):
         self.namespace, self.compression, self.keep_rounds = namespace, compression, keep_rounds
         self.rejects = rejects if rejects is not None else RejectCounter()
         self.max_fetch_bytes = max_fetch_bytes
+        self.response_limit = response_limit
         self.gate = gate
         # Set by the peer: expert -> its optimizer moments (name -> tensor) if this peer owns it, else None.
         self.moments_provider: Callable[[int], dict[str, torch.Tensor] | None] | None = None

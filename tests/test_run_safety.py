@@ -251,7 +251,7 @@ def test_a_crashed_predecessor_on_this_machine_costs_no_wait(tmp_path):
     dead.wait()
     with _same_identity(tmp_path, ttl=30.0) as (swarm, _):
         crashed = swarm()
-        assert crashed.record.origin == process_origin()
+        assert crashed.record.origin[:2] == process_origin()
         crashed.record.origin = [process_origin()[0], dead.pid]  # published by a process that has exited since
         crashed.publish(experts=[0])
         start = time.monotonic()
@@ -262,6 +262,58 @@ def test_a_crashed_predecessor_on_this_machine_costs_no_wait(tmp_path):
         start = time.monotonic()
         assert not swarm().live_elsewhere(poll=0.5)  # nobody refreshes it: not live, after the watch
         assert time.monotonic() - start > 30.0 / 3
+
+
+def test_of_twins_started_together_the_later_gives_way_and_leaves_the_record_alone(tmp_path):
+    """Two live processes with one identity, both past the start-up check (started together): once either reads
+    the other's record, the one that started later gives way (Swarm.twin) and stores nothing more under the peer
+    ID, not even a tombstone; the earlier one's record stays."""
+    with _same_identity(tmp_path, ttl=30.0) as (swarm, _):
+        first, second = swarm(), swarm()  # in this order: the first started first
+        first.publish(experts=[0])
+        second.publish(experts=[1])  # stored later: its record is the one the DHT keeps
+        first.peers()  # sees the later twin: stores its own record again (not waiting) so that the twin sees it
+        assert first.twin is None
+        deadline = time.monotonic() + 10
+        while second.twin is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            seen = second.peers()
+        assert seen[second.peer_id].experts == [0] and second.twin == first.record.origin
+        second.publish(experts=[1])
+        second.shutdown()  # a twin withdraws nothing: the record is the other process's
+        assert first.peers()[first.peer_id].experts == [0] and first.twin is None
+        first.shutdown(withdraw=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_twin_peer_processes_started_together_one_exits_2_naming_the_identity(tmp_path, processes):
+    """The same --identity-path in two `peer.run` processes started at the same moment through a bootstrap
+    node: within seconds of both being up one of them exits 2 in one line naming the identity file (the later
+    start, or hivemind's own dial check when it answers first); the other trains on."""
+    from tests.test_e2e import _start_bootstrap
+
+    _, maddr = _start_bootstrap(processes)
+    identity = str(tmp_path / "twin.key")
+    subprocess.run(peer_cmd("--help"), cwd=REPO, capture_output=True)  # warm the imports' caches for both
+    twins = [processes.start(peer_cmd(
+        "--config", "configs/tiny.yaml", "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--identity-path", identity, "--run-dir", str(tmp_path / f"twin{i}"), "--run-id", "twins",
+        "--max-steps", "1000000", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0"),
+        log=tmp_path / f"twin{i}.log") for i in range(2)]
+    deadline = time.time() + 200
+    while time.time() < deadline and all(t.poll() is None for t in twins):
+        time.sleep(0.5)
+    gone = [t for t in twins if t.poll() is not None]
+    logs = [(tmp_path / f"twin{i}.log").read_text() for i in range(2)]
+    assert len(gone) == 1 and gone[0].returncode == 2, [log[-2000:] for log in logs]
+    errors = [l for l in logs[twins.index(gone[0])].splitlines() if "error:" in l]
+    assert len(errors) == 1 and identity in errors[0], errors
+    survivor = twins[1 - twins.index(gone[0])]
+    time.sleep(3)
+    assert survivor.poll() is None
+    survivor.send_signal(signal.SIGTERM)
+    assert survivor.wait(timeout=120) == 0
 
 
 @pytest.mark.slow

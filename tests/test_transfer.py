@@ -315,6 +315,39 @@ def test_hostile_metadata_gives_none(dhts, make_exchange):
     assert b.rejects.counts()["malformed"] == malformed  # a slow peer is not a hostile one
 
 
+def test_a_flooding_answer_is_cut_off_at_what_the_asked_for_tensors_take(dhts, make_exchange):
+    """A server answering an expert fetch with well-formed 1 MiB parts without end (a memory flood): the fetcher
+    stops reading once the payload passes the response limit its model gives for that expert, refuses the
+    answer as malformed, and has buffered no more than the limit and one part. An answer within the limit is
+    fetched as before."""
+    from sync.rounds import response_limit
+    from tests.conftest import MODEL
+    from model.model import SpesMoE
+
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    limit = response_limit(SpesMoE(MODEL))
+    a = make_exchange(dht_a, ns, cls=_HostileExchange)
+    b = make_exchange(dht_b, ns, response_limit=limit)
+    part = list(split_for_streaming(serialize_torch_tensor(torch.ones(2**18)), 2**20))
+    assert len(part) == 1
+    flood = 64  # MiB offered: far above the tiny expert's limit
+    _HostileExchange.script = [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(
+        {"names": [f"t{i}" for i in range(flood)], "round": 1}))] + [
+        runtime_pb2.ExpertResponse(tensors=part) for _ in range(flood)]
+    _HostileExchange.stall_s = 0.0
+    assert b.fetch(a.peer_id, 0, 1, timeout=20) is None
+    assert b.rejects.counts()["malformed"] == 1
+    assert limit(0, False) < b.bytes_received["expert"] <= limit(0, False) + 2**20 < flood * 2**20
+    expert = {k: v.float() for k, v in SpesMoE(MODEL).expert_tensors(0).items()}
+    honest = make_exchange(dht_a, ns + "-honest")
+    fetcher = make_exchange(dht_b, ns + "-honest", response_limit=limit)
+    honest.publish(1, 0, expert)
+    got = fetcher.fetch(honest.peer_id, 0, 1, timeout=20)
+    assert got is not None and all(torch.equal(got[k], v) for k, v in expert.items())
+    assert sum(v.numel() * 4 for v in expert.values()) <= limit(0, False)
+
+
 @pytest.fixture(scope="module")
 def dht_d(dhts):
     """A fourth DHT peer (an owner and three fetchers)."""

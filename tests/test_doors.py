@@ -1,0 +1,90 @@
+"""Bounds on what a stranger can make a peer hold or compute (docs/DESIGN.md, "Every door bounded"): the record
+validator's cheap checks, the DHT's refusal of keys outside the run, responses bounded by the model's own
+tensor sizes, and twin identities."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+import sync.records as records
+from sync.peer_record import PeerRecord, twin_started_first
+from sync.records import RunRecordValidator, peer_id_of_public_key, peers_key
+from sync.validate import RejectCounter
+
+RUN = "doors"
+PEERS_KEY = DHTID.generate(source=peers_key(RUN)).to_bytes()
+
+
+def _signed(key: rsa.RSAPrivateKey, payload: dict, lifetime: float = 20.0) -> DHTRecord:
+    """A peer record signed by `key` for its own peer ID, as that peer's node would store it."""
+    signer = RunRecordValidator(RUN, num_experts=4, private_key=key)
+    der = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    subkey = MSGPackSerializer.dumps(peer_id_of_public_key(der).to_base58())
+    record = DHTRecord(key=PEERS_KEY, subkey=subkey, value=MSGPackSerializer.dumps(payload),
+                       expiration_time=get_dht_time() + lifetime)
+    return DHTRecord(key=record.key, subkey=record.subkey, value=signer.sign_value(record),
+                     expiration_time=record.expiration_time)
+
+
+PAYLOAD = {"experts": [1], "round": 1, "step": 10, "tokens": 100}
+
+
+@pytest.mark.unit
+def test_a_costly_key_is_refused_before_its_signature_is_checked(monkeypatch):
+    rejects = RejectCounter()
+    validator = RunRecordValidator(RUN, num_experts=4, rejects=rejects)
+    checked: list[bytes] = []
+    verify = RunRecordValidator._verify_peer_record
+
+    def counting(self, record, peer_id):
+        checked.append(record.subkey)
+        return verify(self, record, peer_id)
+
+    monkeypatch.setattr(RunRecordValidator, "_verify_peer_record", counting)
+    standard = _signed(rsa.generate_private_key(public_exponent=65537, key_size=2048), PAYLOAD)
+    assert validator.validate(standard)
+    assert validator.validate(standard) and len(checked) == 1  # the same record again: not verified again
+    small_exponent = _signed(rsa.generate_private_key(public_exponent=3, key_size=2048), PAYLOAD)
+    assert not validator.validate(small_exponent)
+    small_key = _signed(rsa.generate_private_key(public_exponent=65537, key_size=1024), PAYLOAD)
+    assert not validator.validate(small_key)
+    assert rejects.counts()["record"] == 2
+
+
+@pytest.mark.unit
+def test_keys_outside_the_run_and_oversized_values_are_refused():
+    validator = RunRecordValidator(RUN, num_experts=4)
+    junk = DHTRecord(key=DHTID.generate(source="someone-elses-key").to_bytes(), subkey=b"",
+                     value=MSGPackSerializer.dumps(b"x" * 1000), expiration_time=get_dht_time() + 365 * 86400)
+    assert not validator.validate(junk)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    assert not validator.validate(_signed(key, {**PAYLOAD, "ticket": b"x" * (records.MAX_VALUE_BYTES + 1)}))
+
+
+@pytest.mark.unit
+def test_a_node_holds_records_of_at_most_max_run_records_peers(monkeypatch):
+    monkeypatch.setattr(records, "MAX_RUN_RECORDS", 2)
+    validator = RunRecordValidator(RUN, num_experts=4)
+    keys = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(3)]
+    assert validator.validate(_signed(keys[0], PAYLOAD)) and validator.validate(_signed(keys[1], PAYLOAD, 0.5))
+    assert not validator.validate(_signed(keys[2], PAYLOAD))  # a third identity: no room
+    assert validator.validate(_signed(keys[0], {**PAYLOAD, "round": 2}))  # a peer already held: refreshed
+    time.sleep(0.6)  # the second peer's record expired: its place is free
+    assert validator.validate(_signed(keys[2], PAYLOAD))
+
+
+@pytest.mark.unit
+def test_of_two_live_processes_with_one_identity_the_later_start_gives_way():
+    first, second = ["a" * 16, 100, 1_000], ["b" * 16, 200, 2_000]
+    assert twin_started_first(first, second) and not twin_started_first(second, first)
+    same_time = ["c" * 16, 300, 1_000]  # started in the same millisecond: the origin decides, the same everywhere
+    assert twin_started_first(first, same_time) != twin_started_first(same_time, first)
+    assert not twin_started_first(["a" * 16, 100], second)  # an origin without a start time decides nothing
+    assert PeerRecord.from_value("p", {**PAYLOAD, "origin": first}, 4).origin == first
