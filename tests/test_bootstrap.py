@@ -22,6 +22,7 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
+from sync.records import peers_key
 from sync.swarm import Swarm, start_dht
 from tests.conftest import REPO
 
@@ -156,11 +157,13 @@ def test_identity_persists_and_peers_take_the_restarted_node_back(tmp_path):
         assert key.read_bytes() == key_bytes
         second.wait_for(r"reconnected to 1 of 1 DHT nodes")
         second.wait_for(r"\] 1 peer, experts covered 1/4 \(min replicas 0\), swarm tokens 7")
-        # A store by a plain hivemind client after the restart is readable through the restarted node.
+        # The peer's record, re-stored after the restart, is readable through the restarted node by a plain
+        # hivemind client.
         other = hivemind.DHT(initial_peers=[line], host_maddrs=LOOPBACK, start=True)
         try:
-            client.dht.store("after-restart", "hello", get_dht_time() + 60)
-            assert other.get("after-restart").value == "hello"
+            client.publish(tokens=8)
+            found = other.get(peers_key(RUN), latest=True)
+            assert found is not None and client.peer_id in found.value
         finally:
             other.shutdown()
         assert second.stop() == 0
@@ -197,17 +200,19 @@ def test_a_peer_started_before_its_bootstrap_node_joins_it_once_it_is_up(tmp_pat
                 proc.kill()
 
 
-def test_plain_hivemind_client_joins_through_our_bootstrap():
+def test_plain_hivemind_client_joins_through_our_bootstrap_which_keeps_none_of_its_junk():
+    """A plain hivemind client joins through the bootstrap node and reads from it, but a value under a key
+    outside the run (a year's expiry, 1 MiB: the DHT junk attack) is not kept there."""
     node = bootstrap("--host-maddrs", *LOOPBACK)
     writer = reader = None
     try:
         line = _initial_peer(node)
         writer = hivemind.DHT(initial_peers=[line], host_maddrs=LOOPBACK, start=True)
-        assert writer.store("interop", "through-bootstrap", get_dht_time() + 60)
-        writer.shutdown()  # the value now lives only on the bootstrap node
+        writer.store("junk", b"x" * 2**20, get_dht_time() + 365 * 86400)
+        writer.shutdown()  # whatever was stored now lives only on the bootstrap node
         writer = None
         reader = hivemind.DHT(initial_peers=[line], host_maddrs=LOOPBACK, start=True)
-        assert reader.get("interop").value == "through-bootstrap"
+        assert reader.get("junk") is None
         assert node.stop(signal.SIGINT) == 0  # Ctrl-C is a clean stop too
     finally:
         for dht in (writer, reader):
