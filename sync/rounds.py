@@ -98,7 +98,9 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         self._merge_since: int | None = None  # start step of the last applied round (sync.merge.merge_step)
         # Joiners' state downloads: whole tensors, exact (fp32; the frozen experts' storage dtype as held).
         self.exchange = ExpertExchange(swarm.dht, namespace=swarm.run_id, compression="none",
-                                       rejects=self.rejects, gate=gate, response_limit=response_limit(model))
+                                       rejects=self.rejects, gate=gate, response_limit=response_limit(model),
+                                       streams_per_peer=2 * model.cfg.num_experts + 2,
+                                       streams=8 * (model.cfg.num_experts + 1))
         self.shared = SharedTensors(model, cfg, rejects=self.rejects)
         # Last synchronized value of each owned expert (what its contribution is measured from).
         self._expert_synced: dict[int, Snapshot] = {}

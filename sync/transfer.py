@@ -50,6 +50,8 @@ logger = get_logger(__name__)
 PARTS_PER_MESSAGE = 16
 # A hostile server could stream forever inside the timeout; cap what one fetch may buffer.
 DEFAULT_MAX_FETCH_BYTES = 16 * 2**30
+# A requester that stops reading holds its stream's slot: taken back after this long without a message sent.
+SERVE_IDLE_S = 30.0
 
 
 class _Entry:
@@ -82,8 +84,20 @@ class _ExpertServicer(ServicerBase):
             logger.debug(f"Refusing expert request from unadmitted peer {context.remote_id}")
             yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "unauthorized"}))
             return
-        async for message in self.exchange._serve(request.uid, request.metadata):
-            yield message
+        exchange, remote = self.exchange, context.remote_id
+        if not exchange._take_slot(remote):  # "busy": the fetcher goes on with its other sources
+            yield runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": "busy"}))
+            return
+        task = asyncio.current_task()
+        watchdog = asyncio.get_running_loop().call_later(SERVE_IDLE_S, task.cancel)
+        try:
+            async for message in exchange._serve(request.uid, request.metadata):
+                yield message
+                watchdog.cancel()
+                watchdog = asyncio.get_running_loop().call_later(SERVE_IDLE_S, task.cancel)
+        finally:
+            watchdog.cancel()
+            exchange._give_slot(remote)
 
 class ExpertExchange(ExpertClient):
     """Serves this peer's published experts and fetches other peers' experts through one P2P handler.
@@ -96,12 +110,16 @@ class ExpertExchange(ExpertClient):
         request's libp2p-authenticated sender must pass; None (open run) serves everyone.
     response_limit: (expert or SHARED_KEY, moments?) -> the most payload bytes a response may bring (the peer
         derives it from its model: a stranger cannot make a fetch buffer more than the tensors asked for).
+    streams_per_peer, streams: the most responses served at once to one remote peer and to all of them; more
+        are answered "busy" (the peer derives them from its model: a joiner asks every expert of an owner and
+        the shared tensors at once). A stream idle for SERVE_IDLE_S is taken back.
     """
 
     def __init__(self, dht: DHT, namespace: str, compression: str = "none", keep_rounds: int = 2,
                  rejects: RejectCounter | None = None, start_timeout: float = 30.0,
                  max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES, gate=None,
-                 response_limit: Callable[[int, bool], int] | None = None) -> None:
+                 response_limit: Callable[[int, bool], int] | None = None, streams_per_peer: int = 64,
+                 streams: int = 256) -> None:
         if compression not in COMPRESSION_TYPES:
             raise ValueError(f"compression must be one of {sorted(COMPRESSION_TYPES)}, got {compression!r}")
         if keep_rounds < 1:
@@ -110,6 +128,8 @@ class ExpertExchange(ExpertClient):
         self.rejects = rejects if rejects is not None else RejectCounter()
         self.max_fetch_bytes = max_fetch_bytes
         self.response_limit = response_limit
+        self.streams_per_peer, self.streams = streams_per_peer, streams
+        self._serving: dict[PeerID, int] = {}  # remote peer -> responses in flight (touched on the loop only)
         self.gate = gate
         # Set by the peer: expert -> its optimizer moments (name -> tensor) if this peer owns it, else None.
         self.moments_provider: Callable[[int], dict[str, torch.Tensor] | None] | None = None
@@ -283,6 +303,17 @@ class ExpertExchange(ExpertClient):
             self._count("sent", sum(len(p.buffer) for p in batch))
 
     # ---- accounting and lifetime ---------------------------------------------------------------------------
+
+    def _take_slot(self, remote: PeerID) -> bool:
+        if self._serving.get(remote, 0) >= self.streams_per_peer or sum(self._serving.values()) >= self.streams:
+            return False
+        self._serving[remote] = self._serving.get(remote, 0) + 1
+        return True
+
+    def _give_slot(self, remote: PeerID) -> None:
+        left = self._serving.pop(remote, 1) - 1
+        if left > 0:
+            self._serving[remote] = left
 
     def _count(self, direction: str, nbytes: int, kind: str = "expert") -> None:
         with self._lock:

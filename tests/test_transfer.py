@@ -348,6 +348,35 @@ def test_a_flooding_answer_is_cut_off_at_what_the_asked_for_tensors_take(dhts, m
     assert sum(v.numel() * 4 for v in expert.values()) <= limit(0, False)
 
 
+def test_streams_per_requester_are_bounded_and_an_idle_one_is_taken_back(dhts, make_exchange, monkeypatch):
+    """A requester holding streams_per_peer responses open gets "busy" for the next at once (it goes on with its
+    other sources); a response that sent nothing for SERVE_IDLE_S is ended and its slot taken back."""
+    import sync.transfer as transfer
+
+    monkeypatch.setattr(transfer, "SERVE_IDLE_S", 3.0)
+    dht_a, dht_b, _ = dhts
+    ns = fresh_namespace()
+    a = make_exchange(dht_a, ns, cls=_HostileExchange, streams_per_peer=1)
+    b = make_exchange(dht_b, ns)
+    header = runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"names": ["a", "b"], "round": 1}))
+    _HostileExchange.script = [header]  # then it stalls: a stream that sends nothing more
+    _HostileExchange.stall_s = 60.0
+
+    def request() -> dict:
+        return asyncio.run_coroutine_threadsafe(b._request(a.peer_id, "0@1"), b._loop).result(timeout=30)[0]
+
+    stalled = asyncio.run_coroutine_threadsafe(b._request(a.peer_id, "0@1"), b._loop)  # one try, no retry
+    deadline = time.monotonic() + 10
+    while not a._serving and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert request() == {"error": "busy"}
+    while a._serving and time.monotonic() < deadline + 10:
+        time.sleep(0.2)
+    assert not a._serving  # the idle stream was ended
+    assert stalled.result(timeout=30)[0] == {"names": ["a", "b"], "round": 1}  # and then nothing: it ended
+    assert request() == {"names": ["a", "b"], "round": 1}  # served again
+
+
 @pytest.fixture(scope="module")
 def dht_d(dhts):
     """A fourth DHT peer (an owner and three fetchers)."""
