@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
 from model.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model_state
 from model.config import ModelConfig
+from model.logfmt import setup_plain_logging
 from model.model import SpesMoE, hf_config
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `python -m peer.run`")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json, weights, tokenizer)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_plain_logging()
     try:
         ckpt = export_run(args.run_dir, args.out_dir)
     except (ValueError, CheckpointError) as e:

@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM
 
 from model.checkpoint import CheckpointError, read_safetensors
 from model.config import ModelConfig
+from model.logfmt import setup_plain_logging
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the router init and the noise (default 0)")
     parser.add_argument("--run-id", default="spes-upcycled", help="run_id written into config.yaml")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_plain_logging()
     try:
         out = upcycle(args.dense_dir, args.out_dir, args.num_experts, args.top_k, args.noise_std, args.seq_len,
                       args.seed, args.run_id)

@@ -1,7 +1,8 @@
 """One log format for the peer, the bootstrap node and the benchmarks, and no noise from normal operation.
 
 * hivemind's handler sits on the root logger, so hivemind, transformers, datasets and this project all print
-  one line each, in one format. huggingface_hub and datasets also install stderr handlers of their own: every
+  one line each, in one format: the project's (model/logfmt.py `LineFormatter`, also used by model.export and
+  model.upcycle), which shows code locations at DEBUG only. huggingface_hub and datasets also install stderr handlers of their own: every
   retry warning then came out twice (once raw, once formatted), so theirs are removed.
 * Failures that are part of normal operation on the internet (a peer that left mid-transfer, a timeout) are logged by hivemind with a full traceback at ERROR level: 20 lines that look like
   a crash, each followed by this project's own one-line warning about the same round. They become one WARNING
@@ -15,6 +16,8 @@ from __future__ import annotations
 import logging
 
 from hivemind.utils.logging import use_hivemind_log_handler
+
+from model.logfmt import LineFormatter
 
 # Exception classes (by name, anywhere in the exception's MRO) that hivemind raises and logs in normal operation.
 EXPECTED_FAILURES = frozenset({
@@ -53,6 +56,7 @@ def setup_logging(level: int = logging.INFO, libraries: bool = True) -> None:
     root = logging.getLogger()
     root.setLevel(level)
     for handler in root.handlers:
+        handler.setFormatter(LineFormatter())
         if not any(isinstance(f, ExpectedFailures) for f in handler.filters):
             handler.addFilter(ExpectedFailures())
     if not libraries:

@@ -204,7 +204,8 @@ class PeerNode:
         visible = swarm.visible_maddrs()
         for maddr in visible:
             logger.info(f"initial peer: {maddr}")
-        logger.info(reachability_line(mode, visible, relays=initial_peers))
+        if not swarm.on_its_own():  # the offline default has no one to be reachable by
+            logger.info(reachability_line(mode, visible, relays=initial_peers))
         if mode.use_auto_relay:
             # p2pd's autorelay asks a relay once and never again within an hour after a failure or a dropped
             # connection: this peer keeps its reservations itself (sync/relay.py).
@@ -268,9 +269,10 @@ class PeerNode:
         self._log_round(self.sync.drain(self.cfg.sync.matchmaking_time + 5.0), trainer)
         self.blocked_seconds += time.perf_counter() - start
         wall = time.perf_counter() - self._started
+        held = (f"; trained {self.sync.held_steps} step(s) in {self.sync.held_rounds} round(s) while a later peer "
+                f"got ready (sync.start_together)" if self.sync.held_rounds else "")
         logger.info(f"[{self.cfg.run_id} {self.short_id}] sync blocked the training loop {self.blocked_seconds:.2f}s "
-                    f"of {wall:.1f}s ({100 * self.blocked_seconds / max(wall, 1e-9):.1f}%); trained {self.sync.held_steps} "
-                    f"step(s) in {self.sync.held_rounds} round(s) while a later peer got ready (sync.start_together)")
+                    f"of {wall:.1f}s ({100 * self.blocked_seconds / max(wall, 1e-9):.1f}%){held}")
 
     def _sync_fields(self, trainer: Trainer) -> dict:
         """Extra metrics.jsonl fields of a syncing peer (the benchmarks read them)."""

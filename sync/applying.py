@@ -157,6 +157,8 @@ class Applying:
         self.model.set_owned_experts(sorted(owned | set(extra)))
         self._reset_expert_references()
         self.swarm.record.caretaking = self.ownership.caretaking
+        why = "" if self.swarm.on_its_own() else (
+            f" ({sorted(extra)} taken care of until other peers take them over; budget {self.max_owned}, "
+            f"sync.max_experts_per_peer)")
         logger.info(f"alone in the run: training experts {sorted(owned | set(extra))} of "
-                    f"{self.model.cfg.num_experts} ({sorted(extra)} taken care of until other peers take them over; "
-                    f"budget {self.max_owned}, sync.max_experts_per_peer)")
+                    f"{self.model.cfg.num_experts}{why}")

@@ -105,6 +105,11 @@ class Swarm:
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
+    def on_its_own(self) -> bool:
+        """Started without initial peers, listening on loopback only (the offline default): nobody else can
+        join, so its log says nothing about other peers."""
+        return not self.initial_peers and all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in self.visible_maddrs())
+
     # ---- records ------------------------------------------------------------------------------------------
 
     def publish(self, wait: bool = True, **changes: Any) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import logging
 
+import pytest
+
 from hivemind.averaging.partition import AllreduceException
 
 from peer.logs import ExpectedFailures
@@ -43,3 +45,34 @@ def test_unexpected_failures_and_other_loggers_keep_their_traceback():
     assert "Traceback" in text and text.startswith("ERROR")
     text, _ = _emit("sync.rounds", AllreduceException("ours"))  # this project's own records are left alone
     assert "Traceback" in text
+
+
+def test_every_entry_point_prints_errors_in_one_format_without_code_locations(tmp_path):
+    """peer.run and model.export (model/ without hivemind) print the same line format; a user's error names its
+    cause, not the function and line that raised it (those show at DEBUG only)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, peer_cmd
+    from tests.test_cli import _one_error_line
+
+    line_format = r"[A-Z][a-z]{2} \d\d \d\d:\d\d:\d\d\.\d{3} \[ERROR\] error: \S"
+    export = subprocess.run([sys.executable, "-m", "model.export", str(tmp_path / "missing"), str(tmp_path / "out")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(peer_cmd("--config", "configs/tiny.yaml", "--set", "model.d_model=-1",
+                                  "--run-dir", str(tmp_path / "run")), cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    for proc in (export, run):
+        assert proc.returncode == 2 and re.fullmatch(line_format + ".*", _one_error_line(proc)), proc.stderr
+
+
+@pytest.mark.unit
+def test_the_code_location_shows_at_debug_only():
+    from model.logfmt import LineFormatter
+
+    def line(level: int) -> str:
+        record = logging.LogRecord("sync.x", level, "x.py", 7, "hello", None, None, func="f")
+        return LineFormatter().format(record)
+    assert line(logging.ERROR).endswith("[ERROR] hello") and line(logging.INFO).endswith("[INFO] hello")
+    assert line(logging.DEBUG).endswith("[DEBUG] [sync.x.f:7] hello")
