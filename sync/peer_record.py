@@ -156,6 +156,13 @@ def median_round(records: Iterable[PeerRecord]) -> int | None:
     return rounds[(len(rounds) - 1) // 2] if rounds else None
 
 
+def proven_round(records: dict[str, "PeerRecord"], delivered: set[str]) -> int | None:
+    """The swarm's round by deeds: the lower median round of the peers whose contributions this peer received
+    (`delivered`), None if none. A record that never delivered anything (a ghost claiming the highest round + 3)
+    does not move this peer's round or make it re-download (docs/DESIGN.md "Round agreement")."""
+    return median_round(r for p, r in records.items() if p in delivered)
+
+
 def process_origin(started: float | None = None) -> list:
     """[machine, PID] of this process, and [.., start ms] with `started` (DHT time): the machine is a hash of the
     boot ID and the PID namespace (PIDs are only comparable within both; two containers on one host differ), so

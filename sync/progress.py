@@ -97,10 +97,10 @@ class SwarmProgress:
         fresh = self._thread is not None and time.monotonic() - self._read_at <= max_age
         return fresh and self._reads_without_others >= reads
 
-    def swarm_round(self, max_age: float | None = None) -> int | None:
-        """Lower median of the other peers' rounds, None when none is known."""
+    def swarm_round(self, max_age: float | None = None, only: set[str] | None = None) -> int | None:
+        """Lower median of the other peers' rounds (`only`: of these peers), None when none is known."""
         others = self.others(max_age)
-        return median_round(others.values()) if others else None
+        return median_round(r for p, r in others.items() if only is None or p in only)
 
     def stop(self) -> None:
         self._stop.set()

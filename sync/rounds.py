@@ -45,6 +45,7 @@ from sync.ownership import Ownership
 from sync.progress import SwarmProgress
 from sync.schedule import Scheduling
 from sync.report import RoundReport, _Pending
+from sync.peer_record import proven_round
 from sync.swarm import PeerRecord, Swarm, median_round
 from sync.transfer import ExpertExchange
 from sync.validate import RejectCounter
@@ -216,7 +217,8 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         # (this peer's own record alone), and a round decided from it would have left a live peer out.
         others = {**self.progress.others(max_age=2 * self.progress.poll + 1), **self._others()}
         report.peers_seen = len(others) + 1
-        behind = bool(others) and median_round(others.values()) > self.round_id + 1
+        swarm_round = proven_round(others, self._delivered_ever)
+        behind = swarm_round is not None and swarm_round > self.round_id + 1
         # A peer that trained less than a full round (it joined the swarm's round early, sync.progress) changed
         # its tensors less than the others changed theirs: scale its yardstick up.
         short = self.max_weight / max(tokens_since_last, 1) if math.isfinite(self.max_weight) else 1.0

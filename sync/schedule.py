@@ -170,7 +170,8 @@ class Scheduling:
             # since): joining earlier would only make it sync after every step. It keeps the every-H pace. The
             # transfers, not the whole round: a CPU-slow peer's round is mostly its wait for announcements.
             return False
-        swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5)
+        # Only peers whose contributions arrived count: a ghost's round cannot make this one start early.
+        swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5, only=self._delivered_ever)
         self.round_shift = 0
         return swarm_round is not None and swarm_round > self.round_id
 

@@ -88,3 +88,15 @@ def test_of_two_live_processes_with_one_identity_the_later_start_gives_way():
     assert twin_started_first(first, same_time) != twin_started_first(same_time, first)
     assert not twin_started_first(["a" * 16, 100], second)  # an origin without a start time decides nothing
     assert PeerRecord.from_value("p", {**PAYLOAD, "origin": first}, 4).origin == first
+
+
+@pytest.mark.unit
+def test_a_ghost_claiming_a_high_round_moves_no_peers_round():
+    """Ghost owners publishing the highest honest round + 3 never delivered a contribution: the swarm's round by
+    deeds is the honest peers' (no re-download, no early start), whatever their number."""
+    from sync.peer_record import proven_round
+
+    honest = {f"h{i}": PeerRecord(f"h{i}", [i], round=10) for i in range(3)}
+    ghosts = {f"g{i}": PeerRecord(f"g{i}", [0, 1, 2, 3], round=13) for i in range(8)}
+    assert proven_round({**honest, **ghosts}, delivered=set(honest)) == 10
+    assert proven_round(ghosts, delivered=set(honest)) is None
