@@ -18,12 +18,15 @@ from hivemind.utils.logging import get_logger
 from sync.fetch import Snapshot
 from sync.delta import rebased
 from sync.merge import merge_deltas
+from sync.peer_record import credible_owners
 from sync.swarm import PeerRecord
 
 if TYPE_CHECKING:
     from sync.rounds import RoundReport
 
 logger = get_logger(__name__)
+
+OWNER_GRACE = 3  # rounds a new record may claim experts before a contribution of it must have arrived
 
 
 class Applying:
@@ -112,7 +115,17 @@ class Applying:
 
     def _adopt(self, records: dict[str, PeerRecord], averaged: set[int], cut_off: bool) -> tuple[list[int], list[int]]:
         """Ownership changes after a round (sync.ownership): give adopted experts back to an owner that returned,
-        adopt orphans. Returns (adopted, given back)."""
+        adopt orphans. Returns (adopted, given back). Owners by deeds: a record that claimed experts for
+        OWNER_GRACE rounds without a contribution reaching this peer counts as no owner (credible_owners)."""
+        for peer_id in records:
+            self._first_seen.setdefault(peer_id, self.round_id)
+        credible = credible_owners(records, self._delivered_ever | {self.swarm.peer_id}, self._first_seen,
+                                   self.round_id, OWNER_GRACE)
+        for peer_id in sorted(set(records) - set(credible) - self._discounted):
+            self._discounted.add(peer_id)
+            logger.warning(f"peer ...{peer_id[-6:]} claims experts {records[peer_id].experts} but no contribution "
+                           f"of it arrived in {OWNER_GRACE} rounds: not counted as their owner")
+        records = credible
         self.ownership.observe(records)
         owned = set(self.model.owned_experts)
         back = self.ownership.to_release(owned, records, averaged)

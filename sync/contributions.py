@@ -81,6 +81,8 @@ class Contributions(Repair):
         self._misses: dict[str, int] = {}
         self._skip_until: dict[str, int] = {}
         self._delivered_ever: set[str] = set()
+        self._first_seen: dict[str, int] = {}  # peer -> the round its record was first read (sync.applying._adopt)
+        self._discounted: set[str] = set()  # peers already logged as claimants without deeds
         # peer -> (the last round it was behind and silent in, its record's round then)
         self._silent_behind: dict[str, tuple[int, int]] = {}
         self._kept: dict[str, torch.Tensor] = {}  # the last contribution's unsent part (sync.sparse.keep_residual)

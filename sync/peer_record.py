@@ -163,6 +163,14 @@ def proven_round(records: dict[str, "PeerRecord"], delivered: set[str]) -> int |
     return median_round(r for p, r in records.items() if p in delivered)
 
 
+def credible_owners(records: dict[str, "PeerRecord"], delivered: set[str], first_seen: dict[str, int],
+                    round_id: int, grace: int) -> dict[str, "PeerRecord"]:
+    """The records that count as owners for coverage and hand-back: of peers whose contributions this peer
+    received, or first seen at most `grace` rounds ago (a joiner's first contribution is still on its way). A
+    record that claims experts for longer without delivering any is a claim, not an owner."""
+    return {p: r for p, r in records.items() if p in delivered or round_id - first_seen.get(p, round_id) <= grace}
+
+
 def process_origin(started: float | None = None) -> list:
     """[machine, PID] of this process, and [.., start ms] with `started` (DHT time): the machine is a hash of the
     boot ID and the PID namespace (PIDs are only comparable within both; two containers on one host differ), so

@@ -100,3 +100,13 @@ def test_a_ghost_claiming_a_high_round_moves_no_peers_round():
     ghosts = {f"g{i}": PeerRecord(f"g{i}", [0, 1, 2, 3], round=13) for i in range(8)}
     assert proven_round({**honest, **ghosts}, delivered=set(honest)) == 10
     assert proven_round(ghosts, delivered=set(honest)) is None
+
+
+@pytest.mark.unit
+def test_a_claimant_that_never_delivered_is_no_owner_after_the_grace_rounds():
+    from sync.peer_record import credible_owners
+
+    records = {p: PeerRecord(p, [0]) for p in ("honest", "joiner", "ghost")}
+    first_seen = {"honest": 1, "joiner": 9, "ghost": 2}
+    credible = credible_owners(records, delivered={"honest"}, first_seen=first_seen, round_id=10, grace=3)
+    assert set(credible) == {"honest", "joiner"}  # the joiner's first contribution may still be on its way
