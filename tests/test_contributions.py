@@ -344,3 +344,24 @@ def test_a_record_that_stays_a_round_behind_and_silent_is_waited_for_once(swarm_
         a.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
         waits.append(a.sync.finish_round(block=True).timing["wait"])
     assert waits[0] >= 1.5 and waits[1] >= 1.5 and waits[2] < 1.0, waits
+
+
+def test_ghost_owners_that_never_contribute_lose_their_experts_to_a_peer_that_trains(swarm_factory):
+    """A record that claims experts for good and never contributes (a ghost identity) counts as their owner for
+    its first OWNER_GRACE rounds only; then the honest peer adopts them, so they are trained."""
+    from sync.applying import OWNER_GRACE
+
+    cfg = contrib_cfg(matchmaking_time=0.5, round_timeout=10.0)
+    a = swarm_factory([0, 1], cfg)
+    ghost = swarm_factory([2, 3], cfg, join=False)
+    ghost.swarm.publish(experts=[2, 3], round=1)
+    ghost.swarm.start_heartbeat()
+    adopted_at = None
+    for step in range(1, OWNER_GRACE + 4):
+        a.sync.start_round(step=step, tokens=100 * step, tokens_since_last=100)
+        report = a.sync.finish_round(block=True)
+        if report.adopted and adopted_at is None:
+            adopted_at = step
+            assert sorted(report.adopted) == [2, 3]
+    assert adopted_at is not None and adopted_at > OWNER_GRACE, adopted_at  # not before the grace ran out
+    assert sorted(a.model.owned_experts) == [0, 1, 2, 3]
