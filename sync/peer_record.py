@@ -158,9 +158,11 @@ def median_round(records: Iterable[PeerRecord]) -> int | None:
 
 def proven_round(records: dict[str, "PeerRecord"], delivered: set[str]) -> int | None:
     """The swarm's round by deeds: the lower median round of the peers whose contributions this peer received
-    (`delivered`), None if none. A record that never delivered anything (a ghost claiming the highest round + 3)
-    does not move this peer's round or make it re-download (docs/DESIGN.md "Round agreement")."""
-    return median_round(r for p, r in records.items() if p in delivered)
+    (`delivered`), None if none of them is in `records`. A record that never delivered anything (a ghost claiming
+    the highest round + 3) does not move this peer's round or make it re-download (docs/DESIGN.md "Round
+    agreement"). Before any contribution arrived (a joiner that fell behind before its first), every record
+    counts, as at join: otherwise such a peer would never learn that it is behind."""
+    return median_round(r for p, r in records.items() if p in delivered or not delivered)
 
 
 def credible_owners(records: dict[str, "PeerRecord"], delivered: set[str], first_seen: dict[str, int],

@@ -98,9 +98,9 @@ class SwarmProgress:
         return fresh and self._reads_without_others >= reads
 
     def swarm_round(self, max_age: float | None = None, only: set[str] | None = None) -> int | None:
-        """Lower median of the other peers' rounds (`only`: of these peers), None when none is known."""
+        """Lower median of the other peers' rounds (`only`, if not empty: of these peers), None when none is known."""
         others = self.others(max_age)
-        return median_round(r for p, r in others.items() if only is None or p in only)
+        return median_round(r for p, r in others.items() if not only or p in only)
 
     def stop(self) -> None:
         self._stop.set()

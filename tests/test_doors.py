@@ -100,7 +100,7 @@ def test_a_ghost_claiming_a_high_round_moves_no_peers_round():
     ghosts = {f"g{i}": PeerRecord(f"g{i}", [0, 1, 2, 3], round=13) for i in range(8)}
     assert proven_round({**honest, **ghosts}, delivered=set(honest)) == 10
     assert proven_round(ghosts, delivered=set(honest)) is None
-
+    assert proven_round({**honest, **ghosts}, delivered=set()) == 13  # nothing arrived yet: every record counts
 
 @pytest.mark.unit
 def test_a_claimant_that_never_delivered_is_no_owner_after_the_grace_rounds():
