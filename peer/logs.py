@@ -2,8 +2,9 @@
 
 * hivemind's handler sits on the root logger, so hivemind, transformers, datasets and this project all print
   one line each, in one format: the project's (model/logfmt.py `LineFormatter`, also used by model.export and
-  model.upcycle), which shows code locations at DEBUG only. huggingface_hub and datasets also install stderr handlers of their own: every
-  retry warning then came out twice (once raw, once formatted), so theirs are removed.
+  model.upcycle), which shows code locations at DEBUG only. huggingface_hub and datasets also install stderr
+  handlers of their own: every retry warning then came out twice (once raw, once formatted), so theirs are
+  removed.
 * Failures that are part of normal operation on the internet (a peer that left mid-transfer, a timeout) are logged by hivemind with a full traceback at ERROR level: 20 lines that look like
   a crash, each followed by this project's own one-line warning about the same round. They become one WARNING
   line naming the exception. Anything unexpected keeps its traceback.

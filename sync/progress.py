@@ -18,7 +18,7 @@ from typing import Callable
 
 from hivemind.utils.logging import get_logger
 
-from sync.swarm import PeerRecord, Swarm, median_round
+from sync.swarm import PeerRecord, Swarm
 
 logger = get_logger(__name__)
 
@@ -96,11 +96,6 @@ class SwarmProgress:
         peer to finish gave up its last round's group, and the other then averaged that round alone)."""
         fresh = self._thread is not None and time.monotonic() - self._read_at <= max_age
         return fresh and self._reads_without_others >= reads
-
-    def swarm_round(self, max_age: float | None = None, only: set[str] | None = None) -> int | None:
-        """Lower median of the other peers' rounds (`only`, if not empty: of these peers), None when none is known."""
-        others = self.others(max_age)
-        return median_round(r for p, r in others.items() if not only or p in only)
 
     def stop(self) -> None:
         self._stop.set()

@@ -31,6 +31,8 @@ import time
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
+from sync.peer_record import proven_round
+
 logger = get_logger(__name__)
 
 STEP_SAMPLES = 16  # step intervals the median step time is taken over (a round's long interval is an outlier)
@@ -170,8 +172,9 @@ class Scheduling:
             # since): joining earlier would only make it sync after every step. It keeps the every-H pace. The
             # transfers, not the whole round: a CPU-slow peer's round is mostly its wait for announcements.
             return False
-        # Only peers whose contributions arrived count: a ghost's round cannot make this one start early.
-        swarm_round = self.progress.swarm_round(max_age=5 * self.progress.poll + 5, only=self._delivered_ever)
+        # The swarm's round by deeds (proven_round): a ghost's round cannot make this one start early.
+        recent = self.progress.others(max_age=5 * self.progress.poll + 5)
+        swarm_round = proven_round(recent, self._delivered_ever)
         self.round_shift = 0
         return swarm_round is not None and swarm_round > self.round_id
 

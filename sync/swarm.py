@@ -108,7 +108,8 @@ class Swarm:
     def on_its_own(self) -> bool:
         """Started without initial peers, listening on loopback only (the offline default): nobody else can
         join, so its log says nothing about other peers."""
-        return not self.initial_peers and all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in self.visible_maddrs())
+        loopback = ("/ip4/127.", "/ip6/::1/")
+        return not self.initial_peers and all(m.startswith(loopback) for m in self.visible_maddrs())
 
     # ---- records ------------------------------------------------------------------------------------------
 
