@@ -18,8 +18,8 @@ neither stored by an honest node nor accepted from any node's answer. For the ru
 Every other key is refused: a stranger cannot park junk on the run's DHT nodes (they store nothing else).
 
 Verification is cheap first: a public key other than RSA 2048-4096 bits with exponent 65537 (what libp2p
-identities use) is refused before its signature is checked (a ~3,000-bit exponent made one check cost ~9 ms
-instead of ~0.05 ms); a value already verified (same key, subkey, value and expiration: the DHT hands the same
+identities use) is refused before its signature is checked (verifying costs grow with the exponent's size);
+a value already verified (same key, subkey, value and expiration: the DHT hands the same
 records back on every read) is not verified again; and at most `MAX_RUN_RECORDS` peer IDs hold live records on
 one node (a flood of fresh identities fills that, not the node's memory and CPU).
 
