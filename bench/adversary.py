@@ -17,7 +17,8 @@ through its `ExpertExchange` (what a joining or adopting peer fetches) and never
 - `silent`: claims an expert and never answers requests for it.
 
 Attacks on the contribution rounds (c_silent, c_slow, c_garbage, c_huge, c_copyset, c_stale, c_reverse, c_scale,
-c_init): see bench/adversary_contrib.py.
+c_init): see bench/adversary_contrib.py. Floods of records and junk, and ghost owners (d_junk, d_records,
+d_ghosts): see bench/adversary_doors.py.
 
 Attackers that need a claimed expert take one nobody owns when there is one ("spare"), so that what they serve
 for it (the initial value every peer already holds) changes nothing but the attack itself; `--param expert=E`
@@ -45,18 +46,19 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from bench.adversary_contrib import CONTRIB_ATTACKS, ContribAttacks, supported_kwargs
+from bench.adversary_doors import DOOR_ATTACKS, DOOR_DEFAULTS, DoorAttacks
 from peer.config import RunConfig
 
 logger = get_logger(__name__)
 
 # Attacks on the records and the expert exchange (see the module doc) and on the contribution rounds.
 RECORD_ATTACKS = ("expert", "round", "tombstone", "silent")
-ATTACKS = RECORD_ATTACKS + CONTRIB_ATTACKS
+ATTACKS = RECORD_ATTACKS + CONTRIB_ATTACKS + DOOR_ATTACKS
 DEFAULTS: dict[str, dict[str, Any]] = {
     "expert": {"factor": -9.0}, "round": {"value": 2**62 - 1}, "tombstone": {"ttl": 3600.0}, "silent": {},
     "c_silent": {}, "c_slow": {"interval": 1.0, "part": 1}, "c_garbage": {}, "c_huge": {"size": 200e6},
     "c_copyset": {}, "c_stale": {}, "c_reverse": {"strength": 3.0, "fit": 1}, "c_scale": {"factor": 100.0},
-    "c_init": {"weight": 2**62},
+    "c_init": {"weight": 2**62}, **DOOR_DEFAULTS,
 }
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -86,7 +88,7 @@ class AttackStats:
         return dict(self.__dict__)
 
 
-class Attacker(ContribAttacks):
+class Attacker(ContribAttacks, DoorAttacks):
     """One hostile participant. `start()` blocks until it is in the swarm; `shutdown()` leaves. See module doc."""
 
     def __init__(self, attack: str, initial_peers: Sequence[str], cfg: RunConfig,
@@ -120,6 +122,8 @@ class Attacker(ContribAttacks):
                 self._start_tombstone(deadline)
             elif self.attack == "c_copyset":
                 self._start_copyset(deadline)
+            elif self.attack in DOOR_ATTACKS:
+                self._start_doors(deadline)
             else:
                 self._start_peer(deadline)
         except BaseException:

@@ -3,8 +3,10 @@
     python -m bench.byzantine                            # every contribution attack (c_*) + baselines (~6 min)
     python -m bench.byzantine --quick --attacks c_scale --baselines reference
     python -m bench.byzantine --attacks round,tombstone,expert,silent   # the record / expert-exchange attacks
+    python -m bench.byzantine --attacks d_junk,d_records,d_ghosts --baselines reference --steps 200   # floods
 
-Each arm starts a plain `hivemind-dht` bootstrap on 127.0.0.1, three honest `python -m peer.run` peers (experts
+Each arm starts a `dht_bootstrap` node for the arm's run on 127.0.0.1 (it validates records as a real one does),
+three honest `python -m peer.run` peers (experts
 0-1, 2-3, 4-5 of 8: experts 6-7 are owned by nobody, and the attackers that need to claim an expert take those,
 serving the initial value every peer holds) and one `python -m bench.adversary` process. Rounds are blocking
 (`sync.overlap: false`) and every peer evaluates right after each round, so the held-out loss at the last step
@@ -15,7 +17,11 @@ Baselines, with nobody attacking: `reference` (the same 3 honest peers: every ra
 Per arm: honest held-out loss (mean over the honest peers that finished), its ratio to the reference, honest
 peers that exited non-zero, refusals (the counters by reason that the peers' metrics.jsonl carry, where this
 build writes them; else the per-round `rejected N` of their logs), rounds averaged / rounds completed, mean round
-seconds, the largest round counter an honest peer reached (a forged round shows here) and what the attacker did.
+seconds, the largest round counter an honest peer reached (a forged round shows here), honest tokens per second
+(first to last metrics.jsonl line) as a ratio to the reference, the peak resident memory of an honest peer's
+process group (with its DHT process and p2pd; sampled every second) and its difference to the reference's, how
+many experts an honest peer trained in the second half, the most claimants without deeds a peer
+(`unserved_claims`) and the bootstrap's status line counted, and what the attacker did.
 Writes results.json and table.md into --out; arm logs and run dirs go to --work-dir.
 
 Every peer of every arm, honest and attacker alike, runs the contribution protocol with `sync.compression: sparse`
@@ -36,6 +42,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +51,7 @@ import yaml
 
 from bench.adversary import ATTACKS, CONTRIB_ATTACKS
 from bench.common import REPO_ROOT, config_path, format_table, logger, setup_logging
-from bench.convergence import _deep_merge, _start_bootstrap, _stop
+from bench.convergence import _deep_merge, _stop
 
 HONEST_EXPERTS = ["0-1", "2-3", "4-5"]
 FOURTH_EXPERTS = "6-7"
@@ -106,6 +113,59 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
                                 start_new_session=True)
 
 
+def _start_bootstrap(log_path: Path, run_id: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """The project's bootstrap node for the arm's run (it validates the run's records, as a real one does);
+    returns it and its multiaddr."""
+    proc = _popen([sys.executable, "-m", "dht_bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                   "--run-id", run_id, "--num-experts", "8", "--status-every", "5"], log_path, env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        match = re.search(r"initial peer: (\S+)", log_path.read_text(errors="replace"))
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"dht_bootstrap exited: {log_path.read_text()[-500:]}")
+        time.sleep(0.2)
+    _stop(proc)
+    raise RuntimeError("dht_bootstrap did not print its address within 60 s")
+
+
+class RssSampler(threading.Thread):
+    """Peak resident memory of each process group (a peer.run process with its DHT process and p2pd), sampled
+    every `interval` s from /proc."""
+
+    def __init__(self, pgids: list[int], interval: float = 1.0):
+        super().__init__(daemon=True)
+        self.pgids, self.interval = list(pgids), interval
+        self.peak_mib = {pgid: 0.0 for pgid in pgids}
+        self._stop_event = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def sample(self) -> dict[int, float]:
+        rss = {pgid: 0.0 for pgid in self.pgids}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    pgrp = int(f.read().rsplit(")", 1)[1].split()[2])
+                if pgrp in rss:
+                    with open(f"/proc/{entry}/statm") as f:
+                        rss[pgrp] += int(f.read().split()[1]) * self._page / 2**20
+            except (OSError, ValueError, IndexError):
+                continue  # the process ended between listdir and open
+        return rss
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            for pgid, mib in self.sample().items():
+                self.peak_mib[pgid] = max(self.peak_mib[pgid], mib)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
     """Exit codes (None: killed at the deadline)."""
     deadline = time.monotonic() + timeout
@@ -140,9 +200,10 @@ def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identi
     cfg_path.write_text(yaml.safe_dump(arm_config(arm, steps, every), sort_keys=False))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     experts = HONEST_EXPERTS + [FOURTH_EXPERTS]
-    bootstrap, maddr = _start_bootstrap(arm_dir / "bootstrap.log")
+    run_id = arm_config(arm, steps, every)["run_id"]
+    bootstrap, maddr = _start_bootstrap(arm_dir / "bootstrap.log", run_id, env)
     procs: list[subprocess.Popen] = []
-    attacker = None
+    attacker = sampler = None
     started = time.time()
     try:
         for i in range(arm.honest):
@@ -154,15 +215,22 @@ def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identi
             attacker = _popen([sys.executable, "-m", "bench.adversary", "--attack", arm.attack,
                                "--initial-peers", maddr, "--config", str(cfg_path), "--wait-peers", str(arm.honest),
                                "--stats-out", str(arm_dir / "attacker.json")], arm_dir / "attacker.log", env)
+        sampler = RssSampler([proc.pid for proc in procs])  # each _popen starts its own session
+        sampler.start()
         codes = _wait_all(procs, timeout)
         wall = time.time() - started
     finally:
+        if sampler is not None:
+            sampler.stop()
         for proc in procs:
             _stop(proc)
         if attacker is not None:
             _stop(attacker)
         _stop(bootstrap)
     result = summarize(arm, arm_dir, codes, wall, steps)
+    result["rss_peak_mib"] = max(sampler.peak_mib.values()) if sampler is not None else None
+    boot = (arm_dir / "bootstrap.log").read_text(errors="replace")
+    result["bootstrap_unserved"] = max((int(n) for n in re.findall(r"(\d+) claiming experts but never", boot)), default=0)
     if attacker is not None:
         result["attacker_rc"] = attacker.returncode
         stats = arm_dir / "attacker.json"
@@ -176,6 +244,11 @@ def _peer_summary(run_dir: Path, log: Path, steps: int) -> dict[str, Any]:
         records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     evals = [r for r in records if "eval_loss" in r]
     last = records[-1] if records else {}
+    timed = [r for r in records if "time" in r and "tokens" in r]
+    throughput = ((timed[-1]["tokens"] - timed[0]["tokens"]) / (timed[-1]["time"] - timed[0]["time"])
+                  if len(timed) > 1 and timed[-1]["time"] > timed[0]["time"] else None)
+    # Experts this peer trained in the second half of the run (a ghost owner that took them away shows here).
+    trained = sorted(set().union(*(r.get("owned_experts", []) for r in records if r.get("step", 0) > steps // 2)))
     text = log.read_text(errors="replace") if log.exists() else ""
     groups, seconds, logged_rejects = [], [], 0
     for match in _ROUND_RE.finditer(text):
@@ -194,6 +267,8 @@ def _peer_summary(run_dir: Path, log: Path, steps: int) -> dict[str, Any]:
             "round_counter": last.get("rounds", 0), "groups": groups, "round_s": seconds,
             "redownloads": text.count("re-downloaded"), "logged_rejects": logged_rejects, "rejected": counters,
             "rollbacks": last.get("rollbacks"), "alone_rounds": last.get("alone_rounds"),
+            "tokens_per_s": throughput, "trained_experts": trained,
+            "unserved": max((r.get("unserved_claims", 0) for r in records), default=0),
             "error": next(iter(re.findall(r"\[ERROR\][^\n]*error: ([^\n]*)", text)), None)}
 
 
@@ -216,7 +291,11 @@ def summarize(arm: Arm, arm_dir: Path, codes: list[int | None], wall: float, ste
             "round_counter": max(p["round_counter"] for p in peers),
             "redownloads": sum(p["redownloads"] for p in peers), "refusals": refusals,
             "logged_rejects": sum(p["logged_rejects"] for p in peers),
-            "rollbacks": sum(p["rollbacks"] or 0 for p in peers), "wall_s": wall, "peers": peers}
+            "rollbacks": sum(p["rollbacks"] or 0 for p in peers), "wall_s": wall,
+            "tokens_per_s": (statistics.fmean(p["tokens_per_s"] for p in peers if p["tokens_per_s"])
+                             if any(p["tokens_per_s"] for p in peers) else None),
+            "trained_experts": len(set().union(*(p["trained_experts"] for p in peers))),
+            "unserved": max((p["unserved"] for p in peers), default=0), "peers": peers}
 
 
 def _fmt(x: float | None, spec: str = ".4f") -> str:
@@ -236,20 +315,27 @@ def tables(results: list[dict[str, Any]]) -> str:
     by_arm = {r["arm"]: r for r in results}
     ref = by_arm.get("reference", {}).get("eval_loss")
     ref_s = by_arm.get("reference", {}).get("round_s")
+    ref_tps = by_arm.get("reference", {}).get("tokens_per_s")
+    ref_rss = by_arm.get("reference", {}).get("rss_peak_mib")
     rows = []
     for r in results:
         loss = r["eval_loss"]
         ratio = loss / ref if (loss is not None and ref and math.isfinite(loss)) else None
         s_ratio = r["round_s"] / ref_s if (r["round_s"] is not None and ref_s) else None
         counter = r["round_counter"]
+        tps, rss = r.get("tokens_per_s"), r.get("rss_peak_mib")
         rows.append([r["arm"], f"{r['honest']}" + (" + 1" if r["attack"] else ""), _fmt(loss), _fmt(ratio, ".3f"),
                      f"{r['honest_crashed']}/{r['honest']}", _refusal_text(r),
                      f"{r['averaged_rounds']:.1f}/{r['rounds']:.1f}", _fmt(r["round_s"], ".1f"), _fmt(s_ratio, ".2f"),
                      f"{counter:.3g}" if counter > 10**6 else str(counter), str(r["redownloads"]),
+                     _fmt(tps / ref_tps if tps and ref_tps else None, ".2f"), _fmt(rss, ".0f"),
+                     _fmt(rss - ref_rss if rss is not None and ref_rss is not None else None, "+.0f"),
+                     str(r.get("trained_experts", "-")), f"{r.get('unserved', 0)}/{r.get('bootstrap_unserved', 0)}",
                      f"{r['wall_s']:.0f}"])
     return format_table(["arm", "peers", "honest eval loss", "÷ reference", "crashed", "refusals",
-                         "rounds averaged/done", "round s", "round s ÷ ref", "round counter", "re-downloads", "wall s"],
-                        rows)
+                         "rounds averaged/done", "round s", "round s ÷ ref", "round counter", "re-downloads",
+                         "tokens/s ÷ ref", "RSS peak MiB", "RSS − ref", "experts trained", "unserved peer/boot",
+                         "wall s"], rows)
 
 
 def build_id() -> str | None:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from sync.admission import Admission, AdmissionError, load_organizer_public_key
 from sync.reach import dht_neighbours, ping_maddrs
+from sync.peer_record import proven_round, unserved_claimants
 from sync.swarm import PeerRecord, Swarm, SwarmError, busy_tcp_port, start_dht_node
 
 logger = get_logger(__name__)
@@ -61,21 +62,25 @@ class SwarmStatus:
     peers: int
     replicas: dict[int, int]
     tokens: int
+    unserved: int = 0  # peers claiming experts that never announced a contribution (sync.peer_record)
 
     @classmethod
-    def from_records(cls, records: dict[str, PeerRecord], num_experts: int) -> "SwarmStatus":
+    def from_records(cls, records: dict[str, PeerRecord], num_experts: int, unserved: int = 0) -> "SwarmStatus":
         replicas = {e: 0 for e in range(num_experts)}
         for record in records.values():
             for e in record.experts:
                 replicas[e] += 1
-        return cls(len(records), replicas, sum(r.tokens for r in records.values()))
+        return cls(len(records), replicas, sum(r.tokens for r in records.values()), unserved)
 
     def line(self, run_id: str, short_id: str, dht_nodes: int | None = None) -> str:
         covered = sum(1 for n in self.replicas.values() if n > 0)
         min_replicas = min(self.replicas.values(), default=0)
         known = "" if dht_nodes is None else f", {dht_nodes} other DHT node{'s' * (dht_nodes != 1)} known"
+        unserved = (f", {self.unserved} claiming experts but never contributing (not counted by peers as owners)"
+                    if self.unserved else "")
         return (f"[{run_id} {short_id}] {self.peers} peer{'s' * (self.peers != 1)}, experts covered "
-                f"{covered}/{len(self.replicas)} (min replicas {min_replicas}), swarm tokens {self.tokens}{known}")
+                f"{covered}/{len(self.replicas)} (min replicas {min_replicas}), swarm tokens {self.tokens}"
+                f"{unserved}{known}")
 
 
 class SwarmGauges:
@@ -90,6 +95,8 @@ class SwarmGauges:
                             registry=self.registry)
         self.uncovered = Gauge("spes_swarm_uncovered_experts", "experts no live peer owns (nobody trains them)",
                                registry=self.registry)
+        self.unserved = Gauge("spes_swarm_unserved_claims", "live peers claiming experts that never announced a "
+                              "contribution in 3 swarm rounds (ghost owners)", registry=self.registry)
         for e in range(num_experts):  # one series per expert from the start, 0 until someone owns it
             self.replicas.labels(expert=str(e)).set(0)
         self._server: Any = None
@@ -109,6 +116,7 @@ class SwarmGauges:
             self.replicas.labels(expert=str(e)).set(n)
         self.tokens.set(status.tokens)
         self.uncovered.set(sum(1 for n in status.replicas.values() if n == 0))
+        self.unserved.set(status.unserved)
 
     def close(self) -> None:
         if self._server is not None:
@@ -174,6 +182,7 @@ class BootstrapNode:
         self.reader = Swarm(self.dht, run_id, num_experts, **closed)
         self.short_id = self.reader.peer_id[-6:]
         self.status = SwarmStatus.from_records({}, num_experts)
+        self._first_seen: dict[str, int] = {}  # live peer -> the swarm's round when first read (unserved_claimants)
 
     def visible_maddrs(self) -> list[str]:
         return self.reader.visible_maddrs()
@@ -206,7 +215,12 @@ class BootstrapNode:
 
     def refresh(self) -> SwarmStatus:
         """Read the live records (this DHT lookup also keeps the routing table fresh) and update the gauges."""
-        self.status = SwarmStatus.from_records(self.reader.peers(), self.num_experts)
+        records = self.reader.peers()
+        swarm_round = proven_round(records, set())
+        if swarm_round is not None:
+            self._first_seen = {p: self._first_seen.get(p, swarm_round) for p in records}
+        unserved = unserved_claimants(records, self._first_seen, swarm_round)
+        self.status = SwarmStatus.from_records(records, self.num_experts, len(unserved))
         if self.gauges is not None:
             self.gauges.update(self.status)
         return self.status

@@ -79,6 +79,9 @@ class PeerMetrics:
         self.alone_rounds = Gauge("spes_sync_alone_rounds", "Sync rounds in a row this peer aggregated no other "
                                   "peer's contribution "
                                   "while other peers were in the run", registry=r)
+        self.unserved_claims = Gauge("spes_unserved_claims", "Live peers claiming experts none of whose contributions "
+                                     "reached this peer within 3 rounds: not counted as owners (ghost owners)",
+                                     registry=r)
         self.rollbacks = Counter("spes_sync_rollbacks", "Applied rounds rolled back after a non-finite loss",
                                  registry=r)
         self.parameters = Gauge("spes_parameters", "Parameter counts of the local model", ["kind"], registry=r)
@@ -179,8 +182,9 @@ class PeerMetrics:
 
     def observe_sync(self, blocked_seconds: float, bytes_sent: Mapping[str, int], bytes_received: Mapping[str, int],
                      rejected: Mapping[str, int], alone_rounds: int = 0, rollbacks: int = 0,
-                     relay_reservations: int = 0) -> None:
+                     relay_reservations: int = 0, unserved_claims: int = 0) -> None:
         """The sync side's cumulative counters (any thread)."""
+        self.unserved_claims.set(unserved_claims)
         self._mirror(self.blocked, blocked_seconds)
         self._mirror(self.rollbacks, rollbacks)
         self.alone_rounds.set(alone_rounds)

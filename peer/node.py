@@ -281,7 +281,8 @@ class PeerNode:
                 "rollbacks": self.sync.rollbacks, "alone_rounds": self.sync.rounds_alone,
                 "held_steps": self.sync.held_steps,
                 "relay_reservations": self.relay_keeper.held_count() if self.relay_keeper is not None else 0,
-                "divergent_rounds": self.sync.divergent_rounds, "synced_digest": self.sync.synced_digest}
+                "divergent_rounds": self.sync.divergent_rounds, "synced_digest": self.sync.synced_digest,
+                "unserved_claims": self.sync.unserved_claims}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""
@@ -292,7 +293,8 @@ class PeerNode:
             self.metrics.observe_sync(self.blocked_seconds, self.sync.bytes_sent(), self.sync.bytes_received(),
                                       self.sync.rejects.counts(), alone_rounds=self.sync.rounds_alone,
                                       rollbacks=self.sync.rollbacks, relay_reservations=self.relay_keeper.held_count()
-                                      if self.relay_keeper is not None else 0)
+                                      if self.relay_keeper is not None else 0,
+                                      unserved_claims=self.sync.unserved_claims)
 
     def _log_round(self, report: RoundReport | None, trainer: Trainer) -> None:
         if report is None:

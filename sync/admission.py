@@ -29,6 +29,8 @@ import msgpack
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from sync.sourcelog import SourceLog
+
 if TYPE_CHECKING:
     import hivemind
     from hivemind.p2p import PeerID
@@ -417,7 +419,7 @@ class Gate:
         self._read_at = -math.inf  # time.monotonic() of the last read attempt
         self._failing = False
         self._inflight: dict[tuple[int, int], tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}
-        self._refused_logged: dict[str, float] = {}  # stranger -> time.monotonic() of its last log line
+        self._refused_log = SourceLog(REFUSED_LOG_INTERVAL)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -447,11 +449,7 @@ class Gate:
 
     def _note_refused(self, peer_id: str) -> None:
         """One log line per refused peer per minute: who knocks without a ticket, not a line per request."""
-        now = time.monotonic()
-        if now - self._refused_logged.get(peer_id, -math.inf) >= REFUSED_LOG_INTERVAL:
-            if len(self._refused_logged) > 1024:  # many strangers: forget the oldest, keep the map bounded
-                self._refused_logged = dict(sorted(self._refused_logged.items(), key=lambda kv: kv[1])[-512:])
-            self._refused_logged[peer_id] = now
+        if self._refused_log.allow(peer_id):
             _logger().warning(f"refused peer ...{peer_id[-6:]}: no valid ticket for closed run "
                               f"{self.admission.run_id} (next line for it in a minute at the earliest)")
 

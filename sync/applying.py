@@ -18,7 +18,7 @@ from hivemind.utils.logging import get_logger
 from sync.fetch import Snapshot
 from sync.delta import rebased
 from sync.merge import merge_deltas
-from sync.peer_record import credible_owners
+from sync.peer_record import OWNER_GRACE, credible_owners
 from sync.swarm import PeerRecord
 
 if TYPE_CHECKING:
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-OWNER_GRACE = 3  # rounds a new record may claim experts before a contribution of it must have arrived
 
 
 class Applying:
@@ -121,10 +120,14 @@ class Applying:
             self._first_seen.setdefault(peer_id, self.round_id)
         credible = credible_owners(records, self._delivered_ever | {self.swarm.peer_id}, self._first_seen,
                                    self.round_id, OWNER_GRACE)
-        for peer_id in sorted(set(records) - set(credible) - self._discounted):
-            self._discounted.add(peer_id)
-            logger.warning(f"peer ...{peer_id[-6:]} claims experts {records[peer_id].experts} but no contribution "
-                           f"of it arrived in {OWNER_GRACE} rounds: not counted as their owner")
+        self.unserved_claims = len(set(records) - set(credible))
+        new = sorted(set(records) - set(credible) - self._discounted)
+        if new:  # one line for any number of them (a thousand fresh identities must not make a thousand lines)
+            self._discounted = (self._discounted & set(records)) | set(new)  # live ones only: stays bounded
+            named = ", ".join(f"...{p[-6:]} (experts {records[p].experts})" for p in new[:3])
+            more = f" and {len(new) - 3} more" if len(new) > 3 else ""
+            logger.warning(f"peer(s) {named}{more} claim experts but no contribution of theirs arrived in "
+                           f"{OWNER_GRACE} rounds: not counted as owners (spes_unserved_claims)")
         records = credible
         self.ownership.observe(records)
         owned = set(self.model.owned_experts)

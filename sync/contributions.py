@@ -40,6 +40,7 @@ from sync.contrib_exchange import ContributionExchange
 from sync.delta import apply_rebased_
 from sync.records import MAX_BLOB_BYTES
 from sync.repair import Repair
+from sync.sourcelog import SourceLog
 from sync.sparse import CodecError, SparseSpec, blob_digest, decode, encode, encoded_size
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ class Contributions(Repair):
         self._delivered_ever: set[str] = set()
         self._first_seen: dict[str, int] = {}  # peer -> the round its record was first read (sync.applying._adopt)
         self._discounted: set[str] = set()  # peers already logged as claimants without deeds
+        self._source_log = SourceLog()  # one line per misbehaving peer per minute (the counters count every time)
+        self.unserved_claims = 0  # live records claiming experts, not owners by deeds (spes_unserved_claims)
         # peer -> (the last round it was behind and silent in, its record's round then)
         self._silent_behind: dict[str, tuple[int, int]] = {}
         self._kept: dict[str, torch.Tensor] = {}  # the last contribution's unsent part (sync.sparse.keep_residual)
@@ -196,7 +199,8 @@ class Contributions(Repair):
                 self._delivered(peer_id)
             except CodecError as e:
                 self.rejects.add("malformed")
-                logger.warning(f"refused the contribution of peer ...{peer_id[-6:]} to round {self.round_id}: {e}")
+                if self._source_log.allow(peer_id):
+                    logger.warning(f"refused the contribution of peer ...{peer_id[-6:]} to round {self.round_id}: {e}")
                 self._missed(peer_id, "sent an undecodable contribution")
         report.group_size = len(decoded)
         report.expected = len(announced) + 1
@@ -272,10 +276,13 @@ class Contributions(Repair):
             announced = contributors({p: r.announcement(self.round_id) for p, r in others.items()}, self.round_id)
             announced = {p: a for p, a in announced.items() if not self._skipped(p)}
             # A peer that never delivered a contribution and missed once (a record with nothing behind it) is
-            # not waited for again: it costs one wait, not one every few rounds.
+            # not waited for again: it costs one wait, not one every few rounds. Nor is a record read in an
+            # earlier round that never announced any (ghost identities claiming experts): an honest joiner
+            # announces its first in its first round, and what it announces in time still counts.
             waiting = {p: r for p, r in others.items() if p not in announced and r.round <= self.round_id
                        and not self._skipped(p)
-                       and not (self._misses.get(p) and p not in self._delivered_ever)}
+                       and not (self._misses.get(p) and p not in self._delivered_ever)
+                       and not (not r.contrib and self._first_seen.get(p, self.round_id) < self.round_id)}
             now, dht_now = time.monotonic(), get_dht_time()
             until = base
             for r in waiting.values():
@@ -305,8 +312,9 @@ class Contributions(Repair):
         strikes = self._misses[peer_id] = self._misses.get(peer_id, 0) + 1
         skip = rounds_to_skip(strikes)
         self._skip_until[peer_id] = self.round_id + 1 + skip
-        logger.info(f"peer ...{peer_id[-6:]} {why} in round {self.round_id}: not waited for in the next {skip} "
-                    f"round(s)")
+        if self._source_log.allow(peer_id):
+            logger.info(f"peer ...{peer_id[-6:]} {why} in round {self.round_id}: not waited for in the next "
+                        f"{skip} round(s)")
 
     def _delivered(self, peer_id: str) -> None:
         self._delivered_ever.add(peer_id)
@@ -357,8 +365,9 @@ class Contributions(Repair):
         left_out = [p for p, s in zip(order, scales) if s == 0.0]
         for peer_id in left_out:
             self.rejects.add("direction")
-            logger.warning(f"left out peer ...{peer_id[-6:]}'s change of the {what} in round {self.round_id}: it "
-                           f"points away from the others'")
+            if self._source_log.allow(peer_id):
+                logger.warning(f"left out peer ...{peer_id[-6:]}'s change of the {what} in round {self.round_id}: "
+                               f"it points away from the others'")
 
     def _aggregate_experts(self, decoded: dict[str, Snapshot], weights: dict[str, float],
                            announced: dict[str, Announcement], own: dict[int, Snapshot],
@@ -383,8 +392,9 @@ class Contributions(Repair):
                                    self.cfg.max_delta_ratio)
                 if not ok:
                     self.rejects.add("delta")
-                    logger.warning(f"refused expert {expert}'s change from its owner ...{owners[0][-6:]}: "
-                                   f"out of proportion to the round's median change")
+                    if self._source_log.allow(owners[0]):
+                        logger.warning(f"refused expert {expert}'s change from its owner ...{owners[0][-6:]}: "
+                                       f"out of proportion to the round's median change")
                     continue
             mean, scales = aggregate([decoded[p] for p in owners], [weights[p] for p in owners], self.max_weight,
                                      blob_names)

@@ -160,9 +160,28 @@ def proven_round(records: dict[str, "PeerRecord"], delivered: set[str]) -> int |
     """The swarm's round by deeds: the lower median round of the peers whose contributions this peer received
     (`delivered`), None if none of them is in `records`. A record that never delivered anything (a ghost claiming
     the highest round + 3) does not move this peer's round or make it re-download (docs/DESIGN.md "Round
-    agreement"). Before any contribution arrived (a joiner that fell behind before its first), every record
-    counts, as at join: otherwise such a peer would never learn that it is behind."""
-    return median_round(r for p, r in records.items() if p in delivered or not delivered)
+    agreement"). Before any contribution arrived (a joiner that fell behind before its first), the records that
+    announce a contribution count: otherwise such a peer would never learn that it is behind, while identities
+    that only claim (eight ghosts beside three honest peers) would still outvote the honest rounds."""
+    if delivered:
+        return median_round(r for p, r in records.items() if p in delivered)
+    return median_round(r for r in records.values() if r.contrib)
+
+
+# Rounds a new record may claim experts before a contribution of it must have arrived (credible_owners).
+OWNER_GRACE = 3
+
+
+def unserved_claimants(records: dict[str, "PeerRecord"], first_seen: dict[str, int], swarm_round: int | None,
+                       grace: int = OWNER_GRACE) -> set[str]:
+    """For an observer that fetches nothing (the bootstrap node): the records that claim experts and have never
+    announced a contribution although the swarm's round moved `grace` rounds since they were first seen
+    (`first_seen`: peer -> swarm round then). A ghost that also forges announcements shows only to the peers
+    that fail to fetch them (credible_owners, spes_unserved_claims)."""
+    if swarm_round is None:
+        return set()
+    return {p for p, r in records.items()
+            if r.experts and not r.contrib and not r.prev and swarm_round - first_seen.get(p, swarm_round) >= grace}
 
 
 def credible_owners(records: dict[str, "PeerRecord"], delivered: set[str], first_seen: dict[str, int],

@@ -95,6 +95,9 @@ class Swarm:
         self._rejoin_lock = threading.Lock()  # the heartbeat and the progress reader both check
         self._finished_experts: set[int] = set()  # see peers() and finish()
         self._claims: dict[str, list[int]] = {}  # other joiners' claims seen by the last read (choose_auto)
+        # The last read's parsed records by subkey, (expiration, record or None): a record changes every ttl / 3,
+        # so a thousand identities' records cost a lookup each per read, not a parse (callers never change them).
+        self._parsed: dict[str, tuple[float, PeerRecord | None]] = {}
         self._left: dict[int, set[str]] = {}  # expert -> peers whose clean-leave tombstone the last read showed
         self.withdrawn = False  # its tombstone is stored (a leaving peer: sync.leave stores it before the rest)
         # The origin of another live process that publishes under this peer ID and started first (the same
@@ -187,12 +190,18 @@ class Swarm:
         finished: set[int] = set()
         claims: dict[str, list[int]] = {}
         left: dict[int, set[str]] = {}
+        cache, parsed = self._parsed, {}
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             expiration = getattr(item, "expiration_time", 0)
-            if not isinstance(subkey, str) or expiration < now or subkey in revoked or not _is_peer_id(subkey):
+            if not isinstance(subkey, str) or expiration < now or subkey in revoked:
                 continue
-            record = PeerRecord.from_value(subkey, value, self.num_experts)
+            hit = cache.get(subkey)
+            if hit is not None and hit[0] == expiration:
+                record = hit[1]
+            else:
+                record = PeerRecord.from_value(subkey, value, self.num_experts) if _is_peer_id(subkey) else None
+            parsed[subkey] = (expiration, record)
             if subkey == self.peer_id and record is not None:
                 self._check_twin(record, expiration)
             if record is not None and record.finished:
@@ -211,6 +220,7 @@ class Swarm:
             self._finished_experts = (self._finished_experts | finished) - live
             self._claims = claims
             self._left = left
+            self._parsed = parsed
         return records
 
     def _check_twin(self, record: PeerRecord, expiration: float) -> None:

@@ -149,6 +149,69 @@ def test_silent_owner_costs_one_timeout_at_most(honest):
         attacker.shutdown()
 
 
+def test_ghost_owners_neither_move_the_round_nor_keep_the_experts_they_claim(honest):
+    """Eight identities claim the spare expert for good with the highest honest round + 3 and serve nothing: no
+    honest peer re-downloads or jumps ahead, and once OWNER_GRACE rounds passed they count as no owners (the
+    expert gets adopted) and show in spes_unserved_claims."""
+    from sync.peer_record import OWNER_GRACE
+
+    cfg = _sync_cfg(matchmaking_time=1.0)
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("d_ghosts", _initial(a), _run_cfg(cfg), params={"count": 8}, wait_peers=2)
+    try:
+        time.sleep(1.0)
+        assert attacker.stats.claimed == [3] and attacker.stats.stores_accepted >= 8, attacker.stats
+        assert sum(p not in (a.swarm.peer_id, b.swarm.peer_id) for p in a.swarm.peers()) == 8  # they are read
+        for r in range(OWNER_GRACE + 4):  # grace, then two reads that agree before an adoption
+            reports, _, _ = _round([a, b], seed=70 + r)
+            assert all(rep.group_size == 2 for rep in reports), [rep.group_size for rep in reports]
+            assert not any(rep.redownloaded for rep in reports), f"round {r + 1}: re-downloaded on ghosts' rounds"
+        assert a.sync.round_id == b.sync.round_id == OWNER_GRACE + 4  # one round per round, no jump
+        assert 3 in set(a.model.owned_experts) | set(b.model.owned_experts), "the ghosts kept expert 3 untrained"
+        assert a.sync.unserved_claims == 8 and b.sync.unserved_claims == 8
+    finally:
+        attacker.shutdown()
+
+
+def test_a_flood_of_identities_fills_a_bounded_table_and_costly_keys_are_refused(honest, monkeypatch):
+    """40 fresh identities with valid records (8 of them with a ~2040-bit public exponent) against nodes that hold
+    records of at most 16 peer IDs: the honest peers keep their places and keep aggregating, the costly keys
+    are refused before their signatures are checked."""
+    import sync.records as records
+
+    monkeypatch.setattr(records, "MAX_RUN_RECORDS", 16)  # before the DHT processes fork: they inherit it
+    cfg = _sync_cfg()
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("d_records", _initial(a), _run_cfg(cfg), params={"count": 40, "costly": 8, "every": 2.0},
+                              wait_peers=2)
+    try:
+        time.sleep(3.0)
+        for r in range(2):
+            reports, _, _ = _round([a, b], seed=80 + r)
+            _assert_keep_averaging(reports)
+        for peer in (a, b):
+            seen = peer.swarm.peers()
+            assert a.swarm.peer_id in seen and b.swarm.peer_id in seen
+            assert 2 < len(seen) <= 16, len(seen)  # the flood is read, up to the bound (each node validates)
+        assert _rejected([a, b], {"record"}) >= 8, a.sync.rejects.counts()
+    finally:
+        attacker.shutdown()
+
+
+def test_junk_under_keys_outside_the_run_is_stored_by_no_honest_node(honest):
+    cfg = _sync_cfg()
+    a, b = _pair(honest, cfg)
+    attacker = start_attacker("d_junk", _initial(a), _run_cfg(cfg), params={"count": 10, "size": 4096},
+                              wait_peers=2)
+    try:
+        assert attacker.stats.stores_refused == 10 and attacker.stats.stores_accepted == 0, attacker.stats
+        assert _rejected([a, b], {"record"}) >= 10
+        reports, _, _ = _round([a, b], seed=90)
+        _assert_keep_averaging(reports)
+    finally:
+        attacker.shutdown()
+
+
 @pytest.mark.slow
 def test_byzantine_bench_smoke(tmp_path):
     """One attack arm at the quick scale (no baseline arm, to stay under a minute): the bench runs real

@@ -349,7 +349,7 @@ def test_a_record_that_stays_a_round_behind_and_silent_is_waited_for_once(swarm_
 def test_ghost_owners_that_never_contribute_lose_their_experts_to_a_peer_that_trains(swarm_factory):
     """A record that claims experts for good and never contributes (a ghost identity) counts as their owner for
     its first OWNER_GRACE rounds only; then the honest peer adopts them, so they are trained."""
-    from sync.applying import OWNER_GRACE
+    from sync.peer_record import OWNER_GRACE
 
     cfg = contrib_cfg(matchmaking_time=0.5, round_timeout=10.0)
     a = swarm_factory([0, 1], cfg)

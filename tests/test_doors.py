@@ -96,11 +96,15 @@ def test_a_ghost_claiming_a_high_round_moves_no_peers_round():
     deeds is the honest peers' (no re-download, no early start), whatever their number."""
     from sync.peer_record import proven_round
 
-    honest = {f"h{i}": PeerRecord(f"h{i}", [i], round=10) for i in range(3)}
+    contrib = [10, 100, "0" * 64, 1.0, []]
+    honest = {f"h{i}": PeerRecord(f"h{i}", [i], round=10, contrib=contrib) for i in range(3)}
     ghosts = {f"g{i}": PeerRecord(f"g{i}", [0, 1, 2, 3], round=13) for i in range(8)}
     assert proven_round({**honest, **ghosts}, delivered=set(honest)) == 10
     assert proven_round(ghosts, delivered=set(honest)) is None
-    assert proven_round({**honest, **ghosts}, delivered=set()) == 13  # nothing arrived yet: every record counts
+    # Nothing arrived yet (a joiner): the records that announce a contribution count, not the 8 that only claim.
+    assert proven_round({**honest, **ghosts}, delivered=set()) == 10
+    assert proven_round(ghosts, delivered=set()) is None
+
 
 @pytest.mark.unit
 def test_a_claimant_that_never_delivered_is_no_owner_after_the_grace_rounds():
@@ -110,3 +114,37 @@ def test_a_claimant_that_never_delivered_is_no_owner_after_the_grace_rounds():
     first_seen = {"honest": 1, "joiner": 9, "ghost": 2}
     credible = credible_owners(records, delivered={"honest"}, first_seen=first_seen, round_id=10, grace=3)
     assert set(credible) == {"honest", "joiner"}  # the joiner's first contribution may still be on its way
+
+
+@pytest.mark.unit
+def test_a_source_is_named_once_a_minute_and_the_map_stays_bounded(monkeypatch):
+    import sync.sourcelog as sourcelog
+
+    now = [1000.0]
+    monkeypatch.setattr(sourcelog.time, "monotonic", lambda: now[0])
+    log = sourcelog.SourceLog(interval=60.0, limit=4)
+    assert log.allow("a") and not log.allow("a")
+    now[0] += 59.0
+    assert not log.allow("a") and log.allow("b")
+    now[0] += 1.0
+    assert log.allow("a")
+    for i in range(10):  # many strangers: the oldest are forgotten, the map never holds more than `limit`
+        now[0] += 1.0
+        assert log.allow(f"s{i}")
+    assert len(log._last) <= 4
+
+
+@pytest.mark.unit
+def test_the_bootstrap_counts_claimants_that_never_contributed_in_three_swarm_rounds():
+    from dht_bootstrap.node import SwarmStatus
+    from sync.peer_record import unserved_claimants
+
+    contrib = [5, 100, "0" * 64, 1.0, []]
+    records = {"honest": PeerRecord("honest", [0], round=5, contrib=contrib),
+               "joiner": PeerRecord("joiner", [1], round=5), "ghost": PeerRecord("ghost", [2, 3], round=8)}
+    first_seen = {"honest": 1, "joiner": 4, "ghost": 2}
+    assert unserved_claimants(records, first_seen, swarm_round=5) == {"ghost"}  # the joiner is 1 round in
+    assert unserved_claimants(records, first_seen, swarm_round=None) == set()
+    status = SwarmStatus.from_records(records, num_experts=4, unserved=1)
+    assert "1 claiming experts but never contributing" in status.line("run", "abc")
+    assert "never contributing" not in SwarmStatus.from_records(records, num_experts=4).line("run", "abc")

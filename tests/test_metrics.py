@@ -46,15 +46,18 @@ EXTRA_PEER_METRICS = {
     "spes_sync_alone_rounds": ("gauge", set()),
     "spes_sync_rollbacks_total": ("counter", set()),
     "spes_relay_reservations": ("gauge", set()),  # issue 13: is a peer behind NAT reachable through a relay
+    "spes_unserved_claims": ("gauge", set()),  # issue 32: ghost owners, claims with no deeds
 }
 # Served by the bootstrap node.
 SWARM_METRICS = {"spes_swarm_peers", "spes_swarm_expert_replicas", "spes_swarm_tokens_total",
-                 "spes_swarm_uncovered_experts"}
+                 "spes_swarm_uncovered_experts", "spes_swarm_unserved_claims"}
 SWARM_TYPES = {"spes_swarm_peers": ("gauge", set()), "spes_swarm_expert_replicas": ("gauge", {"expert"}),
-               "spes_swarm_tokens_total": ("gauge", set()), "spes_swarm_uncovered_experts": ("gauge", set())}
+               "spes_swarm_tokens_total": ("gauge", set()), "spes_swarm_uncovered_experts": ("gauge", set()),
+               "spes_swarm_unserved_claims": ("gauge", set())}
 # The project's spec sits beside the checkout in the developers' workspace (not in a clone).
 SPEC_PATH = REPO.parent / "shared" / "SPEC.md"
-BEYOND_SPEC = {"spes_swarm_uncovered_experts"}  # asked for by issue 12 (coverage), served in addition to the spec
+# Asked for by issues 12 (coverage) and 32 (ghost owners), served in addition to the spec.
+BEYOND_SPEC = {"spes_swarm_uncovered_experts", "spes_swarm_unserved_claims"}
 
 
 def _free_port() -> int:
