@@ -219,7 +219,9 @@ class RunRecordValidator(RecordValidatorBase):
             self._own_subkey = MSGPackSerializer.dumps(peer_id_of_public_key(self._public_der).to_base58())
         # Peers whose revocation this node has validated: their records are refused from then on.
         self._revoked: set[str] = set()
-        self._verified: dict[bytes, None] = {}  # digests of records that passed, oldest first (VERIFIED_CACHE)
+        # Digests of records that passed -> their peer ID, oldest first (VERIFIED_CACHE): a read hands every record
+        # back from every node it asks, so a repeat costs a hash, not a base58 decode and a signature check.
+        self._verified: dict[bytes, str] = {}
         self._live: dict[str, float] = {}  # peer ID -> the latest expiration of its record seen (MAX_RUN_RECORDS)
 
     @property
@@ -276,17 +278,17 @@ class RunRecordValidator(RecordValidatorBase):
         now = get_dht_time()
         if record.expiration_time > now + self.max_lifetime or len(record.value) > MAX_VALUE_BYTES:
             return False
-        peer_id = self._subkey_peer(record)
-        if peer_id is None or peer_id in self._revoked or not self._room_for(peer_id, now):
-            return False
         digest = hashlib.sha256(MSGPackSerializer.dumps(
             [record.key, record.subkey, record.value, record.expiration_time])).digest()
+        peer_id = self._verified.get(digest) or self._subkey_peer(record)
+        if peer_id is None or peer_id in self._revoked or not self._room_for(peer_id, now):
+            return False
         if digest in self._verified:
             ok = True
         else:
             ok = self._verify_peer_record(record, peer_id)
             if ok:
-                self._verified[digest] = None
+                self._verified[digest] = peer_id
                 while len(self._verified) > VERIFIED_CACHE:
                     del self._verified[next(iter(self._verified))]
         if ok:
