@@ -1,0 +1,356 @@
+"""`python -m peer.simulate`: many peers in one process, to try a config or a change at scale before a real run.
+
+    python -m peer.simulate --peers 16 --rounds 12 --experts 8 [--churn 0.1] [--report-every 4] [--out DIR]
+
+N peers, each with its own hivemind DHT node and p2pd on 127.0.0.1, a tiny model (configs/tiny.yaml, `--experts`
+experts) and the real round code (sync.rounds.SparseSync: contributions, aggregation, ownership, repair), run
+rounds of synthetic training: before each round every peer moves its shared tensors and the experts it owns by a
+direction common to all peers plus one of its own (what a few local steps do, without data or backward passes).
+The first N peers own ceil(2E / N) experts each, in turn; with `--churn f`, after each round f x N live peers
+leave cleanly and as many fresh ones join with `--experts auto` (Swarm.choose_auto).
+
+Every `--report-every` rounds a table row: live peers, experts covered (min / max owners), rounds completed,
+contributions aggregated per peer, round seconds, bytes sent + received and DHT record reads / stores per peer per
+round, records per read, and how many different synchronized states the peers that completed the same round hold
+(1: no divergence). `--out DIR` writes simulate.json and simulate.png there. Peers, DHT nodes and p2pd daemons are
+all shut down on exit, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from hivemind.utils.logging import get_logger
+
+from peer.cli import OneLineParser
+
+logger = get_logger(__name__)
+
+PROG = "python -m peer.simulate"
+REPO = Path(__file__).resolve().parent.parent
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+RUN_ID = "spes-simulate"
+
+
+@dataclass
+class SimConfig:
+    """One scenario."""
+
+    peers: int = 16                # peers at the start (and live peers kept under churn)
+    rounds: int = 12               # rounds every live peer runs
+    experts: int = 8               # experts of the tiny model
+    churn: float = 0.0             # fraction of the live peers that leave after each round (as many join)
+    report_every: int = 4          # rounds per table row
+    seed: int = 0
+    compression: str = "sparse"    # sync.compression of every peer
+    round_timeout: float = 30.0
+    matchmaking_time: float = 5.0
+
+    def check(self) -> None:
+        if self.peers < 2:
+            raise ValueError(f"--peers must be >= 2, got {self.peers}")
+        if self.rounds < 1 or self.report_every < 1:
+            raise ValueError("--rounds and --report-every must be >= 1")
+        if self.experts < 1:
+            raise ValueError(f"--experts must be >= 1, got {self.experts}")
+        if not 0.0 <= self.churn < 1.0:
+            raise ValueError(f"--churn must be in [0, 1), got {self.churn}")
+
+
+@dataclass
+class SimPeer:
+    """One simulated peer and its counters of DHT requests (reads and stores of the run's records)."""
+
+    name: str
+    model: Any
+    swarm: Any
+    sync: Any
+    reads: int = 0
+    stores: int = 0
+    records_read: int = 0
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        try:
+            self.sync.shutdown()
+        except Exception as e:  # a peer that fails to leave cleanly must not keep the others' shutdown from running
+            logger.warning(f"{self.name}: shutdown: {e}")
+
+
+def _count_requests(peer: SimPeer) -> None:
+    """Count the peer's DHT reads and stores (wrapping the public methods of its own hivemind.DHT instance)."""
+    dht = peer.swarm.dht
+    get, store = dht.get, dht.store
+
+    def counted_get(key, *args, **kwargs):
+        peer.reads += 1
+        found = get(key, *args, **kwargs)
+        value = getattr(found, "value", None)
+        peer.records_read += len(value) if isinstance(value, dict) else 0
+        return found
+
+    def counted_store(*args, **kwargs):
+        peer.stores += 1
+        return store(*args, **kwargs)
+
+    dht.get, dht.store = counted_get, counted_store
+
+
+class Simulation:
+    """The swarm of one scenario; `run()` yields one row per report interval. Use as a context manager."""
+
+    def __init__(self, cfg: SimConfig):
+        from model.config import ModelConfig
+        from sync.config import SyncConfig
+
+        cfg.check()
+        self.cfg = cfg
+        tiny = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["model"]
+        self.model_cfg = ModelConfig(**{**tiny, "num_experts": cfg.experts})
+        self.sync_cfg = SyncConfig(every=1, compression=cfg.compression, round_timeout=cfg.round_timeout,
+                                   matchmaking_time=cfg.matchmaking_time, record_ttl=10.0)
+        self.per_peer = min(cfg.experts, math.ceil(2 * cfg.experts / cfg.peers))
+        self.rng = random.Random(cfg.seed)
+        self.peers: list[SimPeer] = []
+        self.gone: list[SimPeer] = []
+        self.initial: list[str] = []
+        self.joined = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def __enter__(self) -> "Simulation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- peers ------------------------------------------------------------------------------------------------
+
+    def add_peer(self, owned: list[int] | None) -> SimPeer:
+        """A peer joining through the first peer's address; `owned` None: --experts auto."""
+        from model.model import SpesMoE
+        from sync.rounds import SparseSync
+        from sync.swarm import Swarm, start_dht
+
+        dht = start_dht(self.initial, LOOPBACK, run_id=RUN_ID, num_experts=self.cfg.experts,
+                        record_ttl=self.sync_cfg.record_ttl)
+        if not self.initial:
+            self.initial = [str(m) for m in dht.get_visible_maddrs()]
+        swarm = Swarm(dht, RUN_ID, self.cfg.experts, ttl=self.sync_cfg.record_ttl)
+        if owned is None:
+            owned = swarm.choose_auto(self.per_peer)
+        model = SpesMoE(self.model_cfg, owned_experts=owned, seed=self.cfg.seed)
+        peer = SimPeer(f"p{self.joined}", model, swarm, SparseSync(model, swarm, self.sync_cfg))
+        self.joined += 1
+        _count_requests(peer)
+        self.peers.append(peer)
+        peer.sync.join(step=0, tokens=0)
+        return peer
+
+    def start(self) -> None:
+        n, e, k = self.cfg.peers, self.cfg.experts, self.per_peer
+        for i in range(n):
+            self.add_peer(sorted({(i * k + j) % e for j in range(k)}))
+        logger.info(f"{n} peers in the swarm, {k} of {e} experts each")
+
+    def shutdown(self) -> None:
+        peers, self.peers = self.peers, []
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(SimPeer.shutdown, peers))
+
+    # ---- rounds -----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _train(self, round_id: int) -> None:
+        """What local steps do: a common direction (the data's signal) plus each peer's own part."""
+        for i, peer in enumerate(self.peers):
+            common = torch.Generator().manual_seed(self.cfg.seed * 100003 + round_id)
+            own = torch.Generator().manual_seed(self.cfg.seed * 100003 + round_id * 1009 + i + 1)
+            params = [p for _, p in peer.model.shared_parameters()]
+            for expert in sorted(peer.model.owned_experts):
+                params += list(peer.model.expert_tensors(expert).values())
+            for p in params:
+                p.add_(0.002 * torch.randn(p.shape, generator=common).to(p.dtype)
+                       + 0.0006 * torch.randn(p.shape, generator=own).to(p.dtype))
+
+    def round(self, index: int) -> dict[str, Any]:
+        """One round on every live peer (concurrent network parts, as separate machines would run them)."""
+        self._train(index)
+        before = {id(p): (sum(p.sync.bytes_sent().values()) + sum(p.sync.bytes_received().values()), p.reads,
+                          p.stores, p.records_read) for p in self.peers}
+        started = time.monotonic()
+        for peer in self.peers:
+            peer.sync.start_round(step=index, tokens=100 * index, tokens_since_last=100)
+        reports = [peer.sync.finish_round(block=True) for peer in self.peers]
+        wall = time.monotonic() - started
+        stats = []
+        for peer, report in zip(self.peers, reports):
+            b, r, s, rr = before[id(peer)]
+            now_bytes = sum(peer.sync.bytes_sent().values()) + sum(peer.sync.bytes_received().values())
+            stats.append({"round_id": report.round_id if report else None, "group": report.group_size if report else 0,
+                          "seconds": report.seconds if report else None, "bytes": now_bytes - b,
+                          "reads": peer.reads - r, "stores": peer.stores - s, "records": peer.records_read - rr,
+                          "digest": peer.sync.synced_digest})
+            peer.rounds.append(stats[-1])
+        return {"wall": wall, "peers": stats}
+
+    def churn(self) -> tuple[int, int]:
+        """Some live peers leave cleanly and as many fresh ones join (--experts auto); (left, joined)."""
+        count = int(self.cfg.churn * len(self.peers))
+        if count == 0:
+            return 0, 0
+        leaving = self.rng.sample(self.peers, count)
+        self.peers = [p for p in self.peers if p not in leaving]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(SimPeer.shutdown, leaving))
+        self.gone += leaving
+        for _ in range(count):
+            self.add_peer(None)
+        return count, count
+
+    def coverage(self) -> dict[int, int]:
+        """Owners per expert as the records show them (one live peer's read)."""
+        owners = {e: 0 for e in range(self.cfg.experts)}
+        for record in self.peers[0].swarm.peers().values():
+            for e in record.experts:
+                owners[e] += 1
+        return owners
+
+    def run(self):
+        """Start the swarm, then run the rounds; yields a summary row every report interval (and at the end)."""
+        self.start()
+        window: list[dict[str, Any]] = []
+        left = joined = 0
+        for index in range(1, self.cfg.rounds + 1):
+            window.append(self.round(index))
+            if index % self.cfg.report_every == 0 or index == self.cfg.rounds:
+                owners = self.coverage()
+                row = summarize(window, owners, len(self.peers), index, left, joined)
+                self.rows.append(row)
+                window = []
+                left = joined = 0
+                yield row
+            if index < self.cfg.rounds:
+                out, came = self.churn()
+                left, joined = left + out, joined + came
+
+
+def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, upto: int, left: int,
+              joined: int) -> dict[str, Any]:
+    """One table row from the rounds of one report interval."""
+    stats = [s for r in window for s in r["peers"]]
+    distinct = []
+    for r in window:  # per round: different synchronized states among the peers at the newest round id
+        newest = max((s["round_id"] or 0) for s in r["peers"])
+        distinct.append(len({s["digest"] for s in r["peers"] if s["round_id"] == newest}))
+    seconds = [s["seconds"] for s in stats if s["seconds"] is not None]
+    return {"rounds": upto, "live": live, "left": left, "joined": joined,
+            "covered": sum(n > 0 for n in owners.values()), "experts": len(owners),
+            "min_owners": min(owners.values()), "max_owners": max(owners.values()),
+            "group": statistics.fmean(s["group"] for s in stats),
+            "round_s": statistics.median(seconds) if seconds else None,
+            "kb_per_peer_round": statistics.fmean(s["bytes"] for s in stats) / 1e3,
+            "reads_per_peer_round": statistics.fmean(s["reads"] for s in stats),
+            "stores_per_peer_round": statistics.fmean(s["stores"] for s in stats),
+            "records_per_read": (sum(s["records"] for s in stats) / max(1, sum(s["reads"] for s in stats))),
+            "distinct_states": max(distinct)}
+
+
+HEAD = [("rounds", "rounds", "d"), ("live", "live", "d"), ("left", "left", "d"), ("joined", "joined", "d"),
+        ("covered", "covered", "d"), ("min_owners", "min owners", "d"), ("max_owners", "max owners", "d"),
+        ("group", "group", ".1f"), ("round_s", "round s", ".2f"), ("kb_per_peer_round", "KB/peer/round", ".1f"),
+        ("reads_per_peer_round", "reads/peer/round", ".1f"), ("stores_per_peer_round", "stores/peer/round", ".1f"),
+        ("records_per_read", "records/read", ".1f"), ("distinct_states", "states", "d")]
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    cells = [[("-" if row[k] is None else format(row[k], spec)) for k, _, spec in HEAD] for row in rows]
+    titles = [t for _, t, _ in HEAD]
+    widths = [max(len(t), *(len(c[i]) for c in cells)) if cells else len(t) for i, t in enumerate(titles)]
+    lines = ["  ".join(t.rjust(w) for t, w in zip(titles, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["rounds"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    axes[0].plot(x, [r["round_s"] or 0 for r in rows], marker="o")
+    axes[0].set_title("round seconds (median)")
+    axes[1].plot(x, [r["kb_per_peer_round"] for r in rows], marker="o", label="KB")
+    axes[1].plot(x, [r["reads_per_peer_round"] for r in rows], marker="o", label="record reads")
+    axes[1].set_title("per peer per round")
+    axes[1].legend()
+    axes[2].plot(x, [r["min_owners"] for r in rows], marker="o", label="min owners")
+    axes[2].plot(x, [r["covered"] for r in rows], marker="o", label="experts covered")
+    axes[2].set_title("coverage")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xlabel("round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SimConfig()
+    p = OneLineParser(prog=PROG, description="Many SPES peers in one process: rounds, coverage, bytes, DHT requests.")
+    p.add_argument("--peers", type=int, default=d.peers, help=f"peers at the start (default {d.peers})")
+    p.add_argument("--rounds", type=int, default=d.rounds, help=f"rounds (default {d.rounds})")
+    p.add_argument("--experts", type=int, default=d.experts, help=f"experts of the tiny model (default {d.experts})")
+    p.add_argument("--churn", type=float, default=d.churn,
+                   help="fraction of the live peers that leave after each round, as many join (default 0)")
+    p.add_argument("--report-every", type=int, default=d.report_every, help="rounds per table row")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--compression", default=d.compression, help="sync.compression of every peer")
+    p.add_argument("--out", metavar="DIR", help="write simulate.json and simulate.png here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from peer.logs import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    cfg = SimConfig(peers=args.peers, rounds=args.rounds, experts=args.experts, churn=args.churn,
+                    report_every=args.report_every, seed=args.seed, compression=args.compression)
+    try:
+        cfg.check()
+    except ValueError as e:
+        logger.error(f"error: {e}")
+        return 2
+    torch.set_num_threads(1)  # N peers share the cores: one thread each keeps them from fighting
+    with Simulation(cfg) as sim:
+        try:
+            for row in sim.run():
+                logger.info(f"after round {row['rounds']}: {row['live']} live, covered {row['covered']}/"
+                            f"{row['experts']} (min owners {row['min_owners']}), round {row['round_s']:.2f}s, "
+                            f"{row['kb_per_peer_round']:.1f} KB and {row['reads_per_peer_round']:.1f} record reads "
+                            f"per peer per round, {row['distinct_states']} synchronized state(s)")
+        except KeyboardInterrupt:
+            logger.warning("interrupted: shutting every peer down")
+    sys.stdout.write(format_rows(sim.rows) + "\n")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "simulate.json").write_text(json.dumps({"config": asdict(cfg), "rows": sim.rows}, indent=1))
+        plot(sim.rows, out / "simulate.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""peer.simulate (issue "Many peers"): 16 real peers in this process, with churn: every expert keeps two owners,
+every live peer completes the rounds, and all hold the same synchronized tensors."""
+from __future__ import annotations
+
+import pytest
+
+from peer.simulate import SimConfig, Simulation, build_parser, format_rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sixteen_peers_with_churn_keep_coverage_and_agree():
+    cfg = SimConfig(peers=16, rounds=4, experts=8, churn=0.0625, report_every=2, matchmaking_time=5.0)
+    with Simulation(cfg) as sim:
+        rows = list(sim.run())
+        assert [r["rounds"] for r in rows] == [2, 4]
+        assert sum(r["left"] for r in rows) == 3 and sum(r["joined"] for r in rows) == 3  # one per round after 1..3
+        for row in rows:
+            assert row["live"] == 16 and row["covered"] == 8, row
+            assert row["distinct_states"] == 1, row  # every peer at the newest round holds the same tensors
+            assert row["group"] > 12, row  # nearly every contribution aggregated by every peer
+        assert rows[-1]["min_owners"] >= 2, rows[-1]  # N = 2E: two owners per expert, also after the churn
+        assert all(len(p.rounds) >= 1 for p in sim.peers)
+        assert "records/read" in format_rows(rows)
+
+
+@pytest.mark.unit
+def test_bad_scenarios_are_refused_in_one_line():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--peer", "3"])  # no abbreviations
+    for bad in (SimConfig(peers=1), SimConfig(churn=1.0), SimConfig(rounds=0)):
+        with pytest.raises(ValueError):
+            bad.check()
+
+
+def test_the_command_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    import json
+
+    from peer.simulate import main
+
+    assert main(["--peers", "2", "--rounds", "2", "--experts", "2", "--report-every", "1", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "KB/peer/round" in printed and len(printed.strip().splitlines()) == 3  # header + one row per round
+    saved = json.loads((tmp_path / "simulate.json").read_text())
+    assert saved["config"]["peers"] == 2 and [r["rounds"] for r in saved["rows"]] == [1, 2]
+    assert saved["rows"][-1]["distinct_states"] == 1 and saved["rows"][-1]["group"] == 2
+    assert (tmp_path / "simulate.png").stat().st_size > 1000
