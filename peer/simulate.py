@@ -12,7 +12,7 @@ leave cleanly and as many fresh ones join with `--experts auto` (Swarm.choose_au
 Every `--report-every` rounds a table row: live peers, experts covered (min / max owners), rounds completed,
 contributions aggregated per peer, round seconds, bytes sent + received and DHT record reads / stores per peer per
 round, records per read, and how many different synchronized states the peers that completed the same round hold
-(1: no divergence). `--out DIR` writes simulate.json and simulate.png there. Peers, DHT nodes and p2pd daemons are
+(1: no divergence). `--out DIR` writes simulate.json and simulate.png (`pip install -e ".[plot]"`) there. Peers, DHT nodes and p2pd daemons are
 all shut down on exit, also on Ctrl-C.
 """
 from __future__ import annotations
@@ -124,7 +124,6 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         self.peers: list[SimPeer] = []
         self.gone: list[SimPeer] = []
-        self.initial: list[str] = []
         self.joined = 0
         self.rows: list[dict[str, Any]] = []
 
@@ -137,15 +136,16 @@ class Simulation:
     # ---- peers ------------------------------------------------------------------------------------------------
 
     def add_peer(self, owned: list[int] | None) -> SimPeer:
-        """A peer joining through the first peer's address; `owned` None: --experts auto."""
+        """A peer joining through up to 3 live peers' addresses (the first ones may have left); `owned` None:
+        --experts auto."""
         from model.model import SpesMoE
         from sync.rounds import SparseSync
         from sync.swarm import Swarm, start_dht
 
-        dht = start_dht(self.initial, LOOPBACK, run_id=RUN_ID, num_experts=self.cfg.experts,
+        initial = [m for p in self.rng.sample(self.peers, min(3, len(self.peers)))
+                   for m in p.swarm.visible_maddrs()]
+        dht = start_dht(initial, LOOPBACK, run_id=RUN_ID, num_experts=self.cfg.experts,
                         record_ttl=self.sync_cfg.record_ttl)
-        if not self.initial:
-            self.initial = [str(m) for m in dht.get_visible_maddrs()]
         swarm = Swarm(dht, RUN_ID, self.cfg.experts, ttl=self.sync_cfg.record_ttl)
         if owned is None:
             owned = swarm.choose_auto(self.per_peer)
@@ -348,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulate.json").write_text(json.dumps({"config": asdict(cfg), "rows": sim.rows}, indent=1))
-        plot(sim.rows, out / "simulate.png")
+        try:
+            plot(sim.rows, out / "simulate.png")
+        except ImportError:
+            logger.warning('no simulate.png: matplotlib is missing (pip install -e ".[plot]")')
     return 0
 
 

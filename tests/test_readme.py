@@ -60,6 +60,6 @@ def test_what_the_readme_commands_write_is_git_ignored():
     if not (REPO / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
     written = ["runs/spes-demo/config.yaml", "exported/model.safetensors", "eval.json", "heldout_task/x.yaml",
-               "upcycled/config.json", "org.key", "peer.key", "bootstrap.key", "peer.ticket", "peer.revoked"]
+               "upcycled/config.json", "sim/simulate.json", "org.key", "peer.key", "bootstrap.key", "peer.ticket", "peer.revoked"]
     proc = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
     assert sorted(proc.stdout.split()) == sorted(written), proc.stdout
