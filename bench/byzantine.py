@@ -51,7 +51,7 @@ import yaml
 
 from bench.adversary import ATTACKS, CONTRIB_ATTACKS
 from bench.common import REPO_ROOT, config_path, format_table, logger, setup_logging
-from bench.convergence import _deep_merge, _stop
+from bench.convergence import _deep_merge, _stop, await_address
 
 HONEST_EXPERTS = ["0-1", "2-3", "4-5"]
 FOURTH_EXPERTS = "6-7"
@@ -118,16 +118,7 @@ def _start_bootstrap(log_path: Path, run_id: str, env: dict[str, str]) -> tuple[
     returns it and its multiaddr."""
     proc = _popen([sys.executable, "-m", "dht_bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
                    "--run-id", run_id, "--num-experts", "8", "--status-every", "5"], log_path, env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        match = re.search(r"initial peer: (\S+)", log_path.read_text(errors="replace"))
-        if match:
-            return proc, match.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"dht_bootstrap exited: {log_path.read_text()[-500:]}")
-        time.sleep(0.2)
-    _stop(proc)
-    raise RuntimeError("dht_bootstrap did not print its address within 60 s")
+    return proc, await_address(proc, log_path, r"initial peer: (\S+)", "dht_bootstrap")
 
 
 class RssSampler(threading.Thread):

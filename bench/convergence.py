@@ -230,16 +230,22 @@ def _start_bootstrap(log_path: Path) -> tuple[subprocess.Popen, str]:
     log = open(log_path, "w")
     proc = subprocess.Popen([exe, "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    deadline = time.monotonic() + 60
+    return proc, await_address(proc, log_path, r"--initial_peers (\S+)", "hivemind-dht")
+
+
+def await_address(proc: subprocess.Popen, log_path: Path, pattern: str, name: str, timeout: float = 60) -> str:
+    """The multiaddr a starting node prints into its log (`pattern`'s group 1); stops it and raises if it exits or
+    prints none within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        match = re.search(r"--initial_peers (\S+)", log_path.read_text())
+        match = re.search(pattern, log_path.read_text(errors="replace"))
         if match:
-            return proc, match.group(1)
+            return match.group(1)
         if proc.poll() is not None:
-            raise RuntimeError(f"hivemind-dht exited: {log_path.read_text()[-500:]}")
+            raise RuntimeError(f"{name} exited: {log_path.read_text(errors='replace')[-500:]}")
         time.sleep(0.2)
     _stop(proc)
-    raise RuntimeError("hivemind-dht did not print its address within 60 s")
+    raise RuntimeError(f"{name} did not print its address within {timeout:.0f} s")
 
 
 def _stop(proc: subprocess.Popen) -> None:
