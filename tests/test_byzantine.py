@@ -214,16 +214,20 @@ def test_junk_under_keys_outside_the_run_is_stored_by_no_honest_node(honest):
 
 @pytest.mark.slow
 def test_byzantine_bench_smoke(tmp_path):
-    """One attack arm at the quick scale (no baseline arm, to stay under a minute): the bench runs real
-    `peer.run` processes and an attacker process, leaves nothing running and writes its table."""
+    """Two attack arms at the quick scale (no baseline arm, to stay near a minute): the bench runs real `peer.run`
+    processes and an attacker process, leaves nothing running and writes its table; eight ghost identities
+    (d_ghosts) claiming a higher round move no honest peer's round counter and cause no re-download."""
     out, work = tmp_path / "results", tmp_path / "work"
     proc = subprocess.run([sys.executable, "-m", "bench.byzantine", "--quick",
-                           "--attacks", "c_scale", "--baselines", "",
+                           "--attacks", "c_scale,d_ghosts", "--baselines", "",
                            "--out", str(out), "--work-dir", str(work)],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
+                          cwd=REPO, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    [arm] = results["arms"]
+    arm, ghosts = results["arms"]
+    assert ghosts["arm"] == "d_ghosts" and ghosts["honest_crashed"] == 0, ghosts
+    assert ghosts["attacker"]["stores_accepted"] >= 8 and ghosts["attacker"]["claimed"] == [6, 7], ghosts["attacker"]
+    assert ghosts["round_counter"] <= 2 and ghosts["redownloads"] == 0, ghosts  # 20 steps, H = 10: two rounds
     assert arm["arm"] == "c_scale" and arm["honest"] == 3 and len(arm["rcs"]) == 3, arm
     assert arm["attacker_rc"] == 0, arm  # the attacker left cleanly on SIGTERM
     assert arm["attacker"]["contrib_rounds"] >= 1, arm["attacker"]
