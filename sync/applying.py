@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-
 class Applying:
     """Mixin of SparseSync: measure a round's own change, apply results and the merge warm-up, roll back, and
     the ownership changes after a round."""
