@@ -19,7 +19,7 @@ peers that exited non-zero, refusals (the counters by reason that the peers' met
 build writes them; else the per-round `rejected N` of their logs), rounds averaged / rounds completed, mean round
 seconds, the largest round counter an honest peer reached (a forged round shows here), honest tokens per second
 (first to last metrics.jsonl line) as a ratio to the reference, the peak resident memory of an honest peer's
-process group (with its DHT process and p2pd; sampled every second) and its difference to the reference's, how
+process tree (with its DHT process and p2pd; sampled every second) and its difference to the reference's, how
 many experts an honest peer trained in the second half, the most claimants without deeds a peer
 (`unserved_claims`) and the bootstrap's status line counted, and what the attacker did.
 Writes results.json and table.md into --out; arm logs and run dirs go to --work-dir.
@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from bench.adversary import ATTACKS, CONTRIB_ATTACKS
-from bench.common import REPO_ROOT, config_path, format_table, logger, setup_logging
+from bench.common import REPO_ROOT, config_path, format_table, logger, setup_logging, tree_rss
 from bench.convergence import _deep_merge, _stop, await_address
 
 HONEST_EXPERTS = ["0-1", "2-3", "4-5"]
@@ -122,35 +122,19 @@ def _start_bootstrap(log_path: Path, run_id: str, env: dict[str, str]) -> tuple[
 
 
 class RssSampler(threading.Thread):
-    """Peak resident memory of each process group (a peer.run process with its DHT process and p2pd), sampled
-    every `interval` s from /proc."""
+    """Peak resident memory of each process tree (a peer.run process with its DHT process and p2pd), sampled
+    every `interval` s (bench.common.tree_rss)."""
 
-    def __init__(self, pgids: list[int], interval: float = 1.0):
+    def __init__(self, pids: list[int], interval: float = 1.0):
         super().__init__(daemon=True)
-        self.pgids, self.interval = list(pgids), interval
-        self.peak_mib = {pgid: 0.0 for pgid in pgids}
+        self.pids, self.interval = list(pids), interval
+        self.peak_mib = {pid: 0.0 for pid in pids}
         self._stop_event = threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def sample(self) -> dict[int, float]:
-        rss = {pgid: 0.0 for pgid in self.pgids}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    pgrp = int(f.read().rsplit(")", 1)[1].split()[2])
-                if pgrp in rss:
-                    with open(f"/proc/{entry}/statm") as f:
-                        rss[pgrp] += int(f.read().split()[1]) * self._page / 2**20
-            except (OSError, ValueError, IndexError):
-                continue  # the process ended between listdir and open
-        return rss
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
-            for pgid, mib in self.sample().items():
-                self.peak_mib[pgid] = max(self.peak_mib[pgid], mib)
+            for pid in self.pids:
+                self.peak_mib[pid] = max(self.peak_mib[pid], tree_rss(pid) / 2**20)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -206,7 +190,7 @@ def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identi
             attacker = _popen([sys.executable, "-m", "bench.adversary", "--attack", arm.attack,
                                "--initial-peers", maddr, "--config", str(cfg_path), "--wait-peers", str(arm.honest),
                                "--stats-out", str(arm_dir / "attacker.json")], arm_dir / "attacker.log", env)
-        sampler = RssSampler([proc.pid for proc in procs])  # each _popen starts its own session
+        sampler = RssSampler([proc.pid for proc in procs])
         sampler.start()
         codes = _wait_all(procs, timeout)
         wall = time.time() - started
@@ -221,7 +205,8 @@ def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identi
     result = summarize(arm, arm_dir, codes, wall, steps)
     result["rss_peak_mib"] = max(sampler.peak_mib.values()) if sampler is not None else None
     boot = (arm_dir / "bootstrap.log").read_text(errors="replace")
-    result["bootstrap_unserved"] = max((int(n) for n in re.findall(r"(\d+) claiming experts but never", boot)), default=0)
+    counts = re.findall(r"(\d+) claiming experts but never", boot)
+    result["bootstrap_unserved"] = max((int(n) for n in counts), default=0)
     if attacker is not None:
         result["attacker_rc"] = attacker.returncode
         stats = arm_dir / "attacker.json"

@@ -211,6 +211,19 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and every descendant (0 for processes that exited meanwhile)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
 def process_name(pid: int) -> str:
     """The command name of a process ("?" if it is gone)."""
     try:

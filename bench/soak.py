@@ -35,7 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import descendants, format_table, get_logger, setup_logging
+from bench.common import descendants, format_table, get_logger, setup_logging, tree_rss
 
 logger = get_logger(__name__)
 
@@ -47,19 +47,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and every descendant (0 for processes that exited meanwhile)."""
-    total = 0
-    for p in [pid, *descendants(pid)]:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
 
 
 def alive(pids: list[int]) -> list[int]:

@@ -12,8 +12,8 @@ leave cleanly and as many fresh ones join with `--experts auto` (Swarm.choose_au
 Every `--report-every` rounds a table row: live peers, experts covered (min / max owners), rounds completed,
 contributions aggregated per peer, round seconds, bytes sent + received and DHT record reads / stores per peer per
 round, records per read, and how many different synchronized states the peers that completed the same round hold
-(1: no divergence). `--out DIR` writes simulate.json and simulate.png (`pip install -e ".[plot]"`) there. Peers, DHT nodes and p2pd daemons are
-all shut down on exit, also on Ctrl-C.
+(1: no divergence). `--out DIR` writes simulate.json and simulate.png (`pip install -e ".[plot]"`) there.
+Peers, DHT nodes and p2pd daemons are all shut down on exit, also on Ctrl-C.
 """
 from __future__ import annotations
 
@@ -123,7 +123,6 @@ class Simulation:
         self.per_peer = min(cfg.experts, math.ceil(2 * cfg.experts / cfg.peers))
         self.rng = random.Random(cfg.seed)
         self.peers: list[SimPeer] = []
-        self.gone: list[SimPeer] = []
         self.joined = 0
         self.rows: list[dict[str, Any]] = []
 
@@ -213,7 +212,6 @@ class Simulation:
         self.peers = [p for p in self.peers if p not in leaving]
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(SimPeer.shutdown, leaving))
-        self.gone += leaving
         for _ in range(count):
             self.add_peer(None)
         return count, count

@@ -119,8 +119,9 @@ class Applying:
             self._first_seen.setdefault(peer_id, self.round_id)
         credible = credible_owners(records, self._delivered_ever | {self.swarm.peer_id}, self._first_seen,
                                    self.round_id, OWNER_GRACE)
-        self.unserved_claims = len(set(records) - set(credible))
-        new = sorted(set(records) - set(credible) - self._discounted)
+        unserved = set(records) - set(credible)
+        self.unserved_claims = len(unserved)
+        new = sorted(unserved - self._discounted)
         if new:  # one line for any number of them (a thousand fresh identities must not make a thousand lines)
             self._discounted = (self._discounted & set(records)) | set(new)  # live ones only: stays bounded
             named = ", ".join(f"...{p[-6:]} (experts {records[p].experts})" for p in new[:3])

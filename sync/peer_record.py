@@ -181,7 +181,7 @@ def unserved_claimants(records: dict[str, "PeerRecord"], first_seen: dict[str, i
     if swarm_round is None:
         return set()
     return {p for p, r in records.items()
-            if r.experts and not r.contrib and not r.prev and swarm_round - first_seen.get(p, swarm_round) >= grace}
+            if r.experts and not r.contrib and swarm_round - first_seen.get(p, swarm_round) >= grace}
 
 
 def credible_owners(records: dict[str, "PeerRecord"], delivered: set[str], first_seen: dict[str, int],

@@ -280,10 +280,11 @@ class RunRecordValidator(RecordValidatorBase):
             return False
         digest = hashlib.sha256(MSGPackSerializer.dumps(
             [record.key, record.subkey, record.value, record.expiration_time])).digest()
-        peer_id = self._verified.get(digest) or self._subkey_peer(record)
+        cached = self._verified.get(digest)
+        peer_id = cached or self._subkey_peer(record)
         if peer_id is None or peer_id in self._revoked or not self._room_for(peer_id, now):
             return False
-        if digest in self._verified:
+        if cached is not None:
             ok = True
         else:
             ok = self._verify_peer_record(record, peer_id)
