@@ -1,0 +1,108 @@
+"""How a flood of valid peer records costs every read of the run's records (issue "Every door bounded").
+
+    python -m bench.record_reads                 # 4 honest DHT nodes + 1 flooder, 0 and 1,100 flood identities
+    python -m bench.record_reads --flood 0 300 1100 --reads 20
+
+Four honest DHT nodes of one run (`sync.swarm.start_dht`, the run's record validator) publish a record each; one
+attacker node (bench/adversary_doors.py, the d_records attack's signer) stores `--flood` valid records of fresh
+identities. One honest peer then reads the run's records `--reads` times (`Swarm.peers`, as the rounds do) and the
+table gives the records per read and milliseconds per read, and the same for validating the records a read hands
+back once they are cached (`RunRecordValidator.validate` on already verified records). The machine should be idle.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+
+from bench.common import format_table, logger, setup_logging
+
+RUN_ID = "record-reads"
+NUM_EXPERTS = 8
+
+
+def cached_validation_ms(count: int) -> float:
+    """Milliseconds to validate `count` already verified peer records again (what every read costs per node)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from bench.adversary_doors import MultiSigner, identities
+    from sync.records import RunRecordValidator, peers_key
+
+    signer = MultiSigner(RUN_ID, NUM_EXPERTS, identities(count))
+    key, expiration = DHTID.generate(source=peers_key(RUN_ID)).to_bytes(), get_dht_time() + 25
+    payload = MSGPackSerializer.dumps({"experts": [1], "round": 1, "step": 0, "tokens": 0})
+    records = []
+    for peer_id in signer.peer_ids:
+        record = DHTRecord(key, MSGPackSerializer.dumps(peer_id), payload, expiration)
+        records.append(DHTRecord(record.key, record.subkey, signer.sign_value(record), expiration))
+    validator = RunRecordValidator(RUN_ID, NUM_EXPERTS)
+    assert all(validator.validate(r) for r in records)
+    started = time.perf_counter()
+    assert all(validator.validate(r) for r in records)
+    return (time.perf_counter() - started) * 1000
+
+
+def read_ms(flood: int, reads: int) -> tuple[int, float]:
+    """(records per read, milliseconds per read) of one honest peer with `flood` flood identities stored."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    import bench.adversary_doors as doors
+    from sync.records import peers_key
+    from sync.swarm import Swarm, start_dht
+
+    signer = doors.MultiSigner(RUN_ID, NUM_EXPERTS, doors.identities(flood) if flood else [])
+    doors._FORKED_IDS[:] = signer.peer_ids  # before the attacker's DHT process forks (adversary_doors)
+    nodes, attacker = [], None
+    try:
+        nodes.append(start_dht([], ["/ip4/127.0.0.1/tcp/0"], run_id=RUN_ID, num_experts=NUM_EXPERTS))
+        initial = [str(m) for m in nodes[0].get_visible_maddrs()]
+        nodes += [start_dht(initial, ["/ip4/127.0.0.1/tcp/0"], run_id=RUN_ID, num_experts=NUM_EXPERTS)
+                  for _ in range(3)]
+        attacker = hivemind.DHT(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                                record_validators=[signer])
+        swarms = [Swarm(node, RUN_ID, NUM_EXPERTS) for node in nodes]
+        for swarm in swarms:
+            swarm.publish(experts=[0], round=1)
+        if flood:
+            attacker.run_coroutine(partial(doors._store_records, key=peers_key(RUN_ID), claimed=None, round_id=1,
+                                           fingerprint="", num_experts=NUM_EXPERTS,
+                                           expiration=get_dht_time() + 25))
+        time.sleep(2.0)
+        for _ in range(3):  # warm: every record verified once
+            swarms[1].peers()
+        started = time.perf_counter()
+        for _ in range(reads):
+            found = swarms[1].peers()
+        return len(found), (time.perf_counter() - started) / reads * 1000
+    finally:
+        if attacker is not None:
+            attacker.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.record_reads", description=__doc__.split("\n\n")[0])
+    p.add_argument("--flood", type=int, nargs="+", default=[0, 1100], help="flood identities per row")
+    p.add_argument("--reads", type=int, default=20, help="timed reads per row")
+    args = p.parse_args(argv)
+    setup_logging()
+    rows, base = [], None
+    for flood in args.flood:
+        records, ms = read_ms(flood, args.reads)
+        base = base or ms
+        cached = cached_validation_ms(records) if records else 0.0
+        rows.append([flood, records, f"{ms:.0f}", f"{ms / base:.1f}x", f"{cached:.1f}"])
+        logger.info(f"flood {flood}: {records} records per read, {ms:.0f} ms per read")
+    sys.stdout.write(format_table(["flood identities", "records per read", "ms per read", "÷ first row",
+                                   "ms to re-validate them (cached)"], rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
