@@ -8,12 +8,12 @@ it belongs to (so the records are as valid as a real peer's), and joins no round
   so the attacker stays below that; an honest node refuses such keys whatever their size.)
 - `d_records`: `count` (1100) fresh identities each publish a validly signed peer record under `{run_id}_peers`
   (one random expert, the honest peers' round), stored again every `every` (20) s; `costly` (100) of them are
-  RSA keys whose public exponent has ~2040 bits instead of 65537 (each costs ~100x as much to verify).
+  RSA keys whose public exponent has ~2040 bits instead of 65537 (verifying grows with the exponent).
 - `d_ghosts`: `count` (8) fresh identities claim for good every expert no honest peer owns for good, publish the
   highest honest round + `ahead` (3), and never serve anything (they have no libp2p host at all).
 
 Identities are built from a small pool of 1024-bit primes (every pair is a distinct 2048-bit modulus), so a
-thousand of them cost a second, not a minute of key generation.
+thousand of them need a few dozen key generations, not a thousand.
 """
 from __future__ import annotations
 
