@@ -214,8 +214,8 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         own = self._publish(step, tokens, record=False)
         # The background reader's recent view, updated by a fresh read of the contributors' key: their rounds are
         # what "behind" is judged by, and a full read here would delay this peer's announcement, and so everyone's
-        # round, by its cost (a flood of records makes that hundreds of ms). The round's wait reads every record
-        # once (a peer that joined within the last poll is still waited for). Without a recent view, a full read.
+        # round, by its cost (a flood of records makes that hundreds of ms). The round's wait then reads every
+        # record (a peer that joined within the last poll is still waited for). Without a recent view, a full read.
         recent = self.progress.others(max_age=2 * self.progress.poll + 1)
         if recent:
             others = {p: r for p, r in merge_announcers(recent, self.swarm.announcers(), self.round_id).items()
