@@ -136,12 +136,8 @@ class PeerNode:
                 self.trainer.add_callback(MetricsCallback(self))
                 self._update_metrics(self.trainer)
                 if self.swarm is not None:
-                    swarm, sync = self.swarm, self.sync
-
-                    def count_peers() -> int:  # the rounds' recent view if there is one: a full read costs
-                        view = sync.progress.view(2 * sync.progress.poll + 1) if sync is not None else {}
-                        return len(view) if view else len(swarm.peers())
-                    self.metrics.start_peer_refresh(count_peers)
+                    swarm = self.swarm
+                    self.metrics.start_peer_refresh(lambda: len(swarm.peers()))
         except BaseException:
             self.shutdown()
             raise

@@ -56,12 +56,6 @@ DEFAULT_RATE = 20e6 / 8
 MIN_FETCH_SECONDS = 2.0
 # How many sources a blob is asked from: its origin, then peers that may hold it already.
 SOURCES_PER_BLOB = 3
-# Strangers: waited-for records that never delivered a contribution and whose peer is no live DHT node this node
-# knows (no host behind the record). Up to FEW_STRANGERS of them (or a quarter of the peers that delivered: honest
-# churn) are waited for like anyone, so that every peer includes a joiner's first contribution alike. More, and
-# once only they are left they get as long again as the wait took, at least NEWCOMER_GRACE s: a flood of fresh
-# identities costs a round about that, not matchmaking_time (docs/DESIGN.md "A round", step 3).
-FEW_STRANGERS, NEWCOMER_GRACE = 4, 0.5
 METHOD_OF = {"none": "fp32", "fp16": "fp16", "8bit": "8bit", "sparse": "sparse"}
 
 
@@ -273,12 +267,9 @@ class Contributions(Repair):
         peer whose record says when it expects to be ready for this round (`due`, sync.schedule): until then plus
         matchmaking_time, within round_timeout. A slower honest peer's contribution so counts in the round it
         trained for; nobody waits beyond that, and a peer that was at this round and announced nothing by then
-        is struck (sync.aggregate.rounds_to_skip). Many strangers (FEW_STRANGERS) are waited for at most as long
-        again as the others took (NEWCOMER_GRACE)."""
+        is struck (sync.aggregate.rounds_to_skip)."""
         start = time.monotonic()
         base = start + self.cfg.matchmaking_time
-        settled: float | None = None  # when the waited-for peers were only strangers, too many of them
-        hosts: set[str] | None = None  # live DHT nodes this node knows, read once if needed
         while True:
             records = self.swarm.peers()
             others = self._others(records)
@@ -298,15 +289,6 @@ class Contributions(Repair):
                 if r.due and r.due[0] == self.round_id:
                     until = max(until, now + (float(r.due[1]) - dht_now) + self.cfg.matchmaking_time)
             until = min(until, start + self.cfg.round_timeout)
-            unproven = [p for p in waiting if p not in self._delivered_ever]
-            if unproven and hosts is None:
-                hosts = self.swarm.hosts() or set(unproven)  # no answer: every record counts as a host's
-            strangers = [p for p in unproven if p not in (hosts or ())]
-            few = len(strangers) <= max(FEW_STRANGERS, len(self._delivered_ever.intersection(others)) // 4)
-            if settled is None and strangers and len(strangers) == len(waiting) and not few:
-                settled = now
-            if settled is not None:
-                until = min(until, settled + max(NEWCOMER_GRACE, settled - start))
             if not waiting or now >= until or self._leaving:
                 for peer_id, r in waiting.items():
                     # At this round and silent, or promised to be ready for it (`due`) and was not: struck. One
@@ -504,14 +486,8 @@ class Contributions(Repair):
         deadline = time.monotonic() + min(self.cfg.round_timeout, self.cfg.matchmaking_time + 10.0)
         while time.monotonic() < deadline:
             served = self.contrib_exchange.served_to(self.swarm.peer_id, last)
-            others = self._others()
-            waiting = [p for p, r in others.items() if p not in served and r.round <= last
+            waiting = [p for p, r in self._others().items() if p not in served and r.round <= last
                        and not (r.synced and int(r.synced[0]) >= last) and not self._skipped(p)]
-            # Records that never announced a contribution (a joiner's, before its first) are waited for while
-            # they are few (FEW_STRANGERS): a flood of identities that fetch nothing must not hold the exit.
-            silent = [p for p in waiting if p not in self._delivered_ever and not others[p].contrib]
-            if len(silent) > max(FEW_STRANGERS, len(self._delivered_ever.intersection(waiting)) // 4):
-                waiting = [p for p in waiting if p not in silent]
             if not waiting:
                 return
             time.sleep(0.2)

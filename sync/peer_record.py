@@ -168,28 +168,6 @@ def proven_round(records: dict[str, "PeerRecord"], delivered: set[str]) -> int |
     return median_round(r for r in records.values() if r.contrib)
 
 
-def merge_announcers(records: dict[str, "PeerRecord"], fresh: dict[str, "PeerRecord"], round_id: int
-                     ) -> dict[str, "PeerRecord"]:
-    """`records` (a read of every record) updated by `fresh` (a later read of the contributors' key,
-    Swarm.announcers): a peer's copy replaces its record unless it is older (lower round, or the same round and
-    an older contribution: a replica that missed the latest store), and a peer whose copy says it left or
-    finished is dropped; a peer not in `records` is added only if it is live and announces `round_id` (a record
-    of one that left since the full read must not come back)."""
-    def age(r: "PeerRecord") -> tuple[int, int]:
-        return r.round, r.contrib[0] if r.contrib else -1
-    out = dict(records)
-    for peer_id, record in fresh.items():
-        known, live = records.get(peer_id), bool(record.experts) and not record.finished
-        if known is not None and age(record) >= age(known):
-            if live:
-                out[peer_id] = record
-            else:
-                del out[peer_id]
-        elif known is None and live and record.announcement(round_id) is not None:
-            out[peer_id] = record
-    return out
-
-
 # Rounds a new record may claim experts before a contribution of it must have arrived (credible_owners).
 OWNER_GRACE = 3
 

@@ -18,16 +18,12 @@ from typing import Callable
 
 from hivemind.utils.logging import get_logger
 
-from sync.peer_record import merge_announcers
 from sync.swarm import PeerRecord, Swarm
 
 logger = get_logger(__name__)
 
 
 PARTIAL_READS_KEPT = 2  # (see SwarmProgress._loop)
-# A full read of the records costs in proportion to their number (a flood of identities: ~0.1 s for 1,024).
-# Between full reads, polls read only the contributors' key; full reads take at most this share of the time.
-FULL_READ_SHARE = 0.03
 
 
 class SwarmProgress:
@@ -37,7 +33,6 @@ class SwarmProgress:
         self.swarm, self.poll = swarm, poll
         self._records: dict[str, PeerRecord] = {}
         self._read_at = 0.0
-        self._full_read_at = 0.0  # of the last full read (contributors' reads update _read_at only)
         self._reads_without_others = 0  # consecutive complete reads showing no other group-joining peer
         self._partial_kept = 0  # consecutive reads of this peer's record alone that kept the last view's others
         self._stop = threading.Event()
@@ -51,24 +46,12 @@ class SwarmProgress:
             self._thread.start()
 
     def _loop(self) -> None:
-        next_full = 0.0
         while not self._stop.is_set():
             try:
                 # Checked here too (not only in the heartbeat, every ttl/3): a peer whose link came back re-joins
                 # within a poll, so its very next round finds the others.
                 self.swarm.rejoin_if_cut_off()
-                started = time.monotonic()
-                if started < next_full and self._records:
-                    fresh = self.swarm.announcers()
-                    self._offer_contributors(fresh)
-                    if self.on_read is not None and any(r.left for r in fresh.values()):
-                        self.on_read(dict(self._records))  # a clean leave's tombstone: adopt without delay
-                    self._stop.wait(self.poll)
-                    continue
                 records = self.swarm.peers()
-                # At least every ttl / 3: every record, a tombstone or a finished one too, is seen in its life.
-                took = time.monotonic() - started
-                next_full = started + min(max(self.poll, took / FULL_READ_SHARE), self.swarm.ttl / 3)
                 self.offer(records)
                 me = self.swarm.peer_id
                 if me in records:  # a read lacking this peer's own record tells nothing
@@ -96,22 +79,9 @@ class SwarmProgress:
             # records are kept for up to PARTIAL_READS_KEPT such reads.
             self._partial_kept += 1
             self._records, self._read_at = {**self._records, me: records[me]}, time.monotonic()
-            self._full_read_at = self._read_at
         else:
             self._partial_kept = 0
             self._records, self._read_at = dict(records), time.monotonic()
-            self._full_read_at = self._read_at
-
-    def _offer_contributors(self, fresh: dict[str, PeerRecord]) -> None:
-        """A read of the contributors' key between full reads: their newer records update the view (and its age:
-        the rounds decide from contributors' records; anyone else's may be one full-read interval old)."""
-        if fresh and self._records:
-            self._records = merge_announcers(self._records, fresh, self.swarm.record.round)
-            self._read_at = time.monotonic()
-
-    def view(self, max_age: float) -> dict[str, PeerRecord]:
-        """Every live record of the last read, this peer's own included ({} if older than `max_age` s)."""
-        return dict(self._records) if time.monotonic() - self._read_at <= max_age else {}
 
     def others(self, max_age: float | None = None) -> dict[str, PeerRecord]:
         """The other live peers' records as last read (empty if the last read is older than `max_age`)."""
@@ -124,7 +94,7 @@ class SwarmProgress:
         that joins all-reduce groups. One read is not enough: a DHT read can come back with this peer's own
         record alone (from its local storage) while the others are still there (test_closed_run: the first
         peer to finish gave up its last round's group, and the other then averaged that round alone)."""
-        fresh = self._thread is not None and time.monotonic() - self._full_read_at <= max_age
+        fresh = self._thread is not None and time.monotonic() - self._read_at <= max_age
         return fresh and self._reads_without_others >= reads
 
     def stop(self) -> None:

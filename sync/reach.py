@@ -12,7 +12,7 @@ A home peer without a forwarded port can open connections but accept none. Two w
 Either way bulk data (contributions, state downloads) must flow over connections the home
 peer opened itself: `PeerDialer` dials every peer in the run's records, so that when a public peer opens a
 stream to it, libp2p reuses that direct connection. `reachability_line` says in one log line which mode a
-peer is in and why. `Rejoin` (a mixin of sync.swarm.Swarm) gets a peer whose link was down back into the DHT.
+peer is in and why.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import contextlib
 import functools
 import ipaddress
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -199,12 +198,6 @@ async def dht_neighbours(_dht: hivemind.DHT, node: Any) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-async def routing_peer_ids(_dht: hivemind.DHT, node: Any) -> list[str]:
-    """Inside the DHT process: the peer IDs of the DHT nodes in the routing table. A node gets there only by
-    answering or sending a request, so each is a live libp2p host (not a record alone)."""
-    return [str(p) for p in node.protocol.routing_table.uid_to_peer_id.values()]
-
-
 async def ping_maddrs(maddrs: list[str], _dht: hivemind.DHT, node: Any, timeout: float = PING_TIMEOUT) -> int:
     """Inside the DHT process: dial and ping DHT nodes by full multiaddr; returns how many answered.
 
@@ -226,71 +219,3 @@ async def ping_maddrs(maddrs: list[str], _dht: hivemind.DHT, node: Any, timeout:
             return False
 
     return sum(await asyncio.gather(*(ping(p, a) for p, a in by_peer.items())))
-
-
-REJOIN_TIMEOUT = 1.5  # seconds per connect / ping of an initial peer while cut off (retried every poll)
-
-
-class Rejoin:
-    """Mixin of sync.swarm.Swarm: is the run reachable, and getting back into it after a cut. Uses `dht`,
-    `initial_peers`, `publish`, `_rejoin_lock`, `_cut_off_since`, `rejoined_at`."""
-
-    def hosts(self) -> set[str] | None:
-        """Peer IDs of the live DHT nodes this node knows (its routing table); None if the DHT did not answer."""
-        try:
-            return set(self.dht.run_coroutine(routing_peer_ids))
-        except Exception as e:
-            logger.debug(f"reading the routing table failed: {e!r}")
-            return None
-
-    def reachable(self) -> bool:
-        """Can this peer reach the run at all? True if one of the initial peers answers a ping now (bounded by
-        sync.reach.PING_TIMEOUT); always True without initial peers (the run's first node: nothing to be cut off
-        from). Asked only when no other peer is visible: alone in the run, or cut off from it (sync.ownership)."""
-        if not self.initial_peers:
-            return True
-        try:
-            with self._rejoin_lock:
-                if self.dht.run_coroutine(dht_neighbours) == 0:
-                    # No DHT node known: cut off until a moment ago at best. Re-join if the link is back (records
-                    # of the others reach this peer only after that), but do not call it reachable yet.
-                    self._rejoin_if_cut_off()
-                    return False
-            return self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers))) > 0
-        except Exception as e:  # the DHT process is stopping or wedged: not reachable, as far as we can tell
-            logger.debug(f"reachability check failed: {e!r}")
-            return False
-
-    def rejoin_if_cut_off(self) -> bool:
-        """If the DHT routing table is empty (hivemind drops every node whose request failed: a link that was
-        down for a while leaves none, and hivemind never bootstraps again), ping the initial peers to get back
-        in, and publish this peer's record at once. Returns True when it re-joined now."""
-        # Blocking: a caller must not see "reachable" while another thread is half-way through a re-join.
-        if not self._rejoin_lock.acquire(timeout=PING_TIMEOUT):
-            return False
-        try:
-            return self._rejoin_if_cut_off()
-        finally:
-            self._rejoin_lock.release()
-
-    def _rejoin_if_cut_off(self) -> bool:
-        if not self.initial_peers or self.dht.run_coroutine(dht_neighbours) > 0:
-            self._cut_off_since = None
-            return False
-        now = time.monotonic()
-        if self._cut_off_since is None:
-            self._cut_off_since = now
-            logger.warning("no DHT node reachable any more (link down?): trying to re-join through the run's "
-                           "initial peers")
-        # Short attempts, one per poll: an attempt started while the link is still down must not delay the
-        # first one after it is back by a long timeout.
-        found = self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers),
-                                                         timeout=REJOIN_TIMEOUT))
-        if not found:
-            return False
-        logger.info(f"re-joined the DHT through {found} initial peer(s), {now - self._cut_off_since:.0f}s after "
-                    f"losing it")
-        self._cut_off_since = None
-        self.rejoined_at = time.monotonic()
-        self.publish()  # its record expired everywhere else meanwhile: be visible again now, not at the next beat
-        return True

@@ -8,10 +8,6 @@ neither stored by an honest node nor accepted from any node's answer. For the ru
   so only the holder of a peer's key can write, replace or tombstone that peer's record. The payload must match
   the schema of `sync.swarm.PeerRecord` exactly (bounded ints, expert indices in range), and in a closed run it
   must carry a valid organizer ticket for that peer ID.
-- `{run_id}_contribs`, subkey = a base58 peer ID: a copy of that peer's record, stored with every store of a
-  record that announces a contribution (`contrib`); same signature and schema, and `contrib` is required. The
-  round's announcement wait polls this key, which holds only peers that contributed: a flood of identities that
-  never contribute costs the frequent reads nothing (docs/DESIGN.md, "DHT records").
 - `{run_id}_revoked`, subkey = a base58 peer ID: only organizer-signed revocations of that peer (closed runs).
 - `{run_id}_settings`, subkey = a settings fingerprint (sync/settings.py): the value must be a bounded flat
   settings map whose fingerprint is the subkey (content-addressed: no signature needed, nothing false can be
@@ -64,8 +60,7 @@ RSA_EXPONENT, RSA_BITS = 65537, (2048, 4096)  # libp2p RSA identities (hivemind 
 # Live peer IDs with a record on one node. Every read of the run parses all of them; far above the swarms this
 # protocol is measured with (issue "Many peers"), far below what costs a node noticeable memory or CPU.
 MAX_RUN_RECORDS = 1024
-# Verified (key, subkey, value, expiration) digests remembered: two keys' records per peer, with room for refreshes.
-VERIFIED_CACHE = 8 * MAX_RUN_RECORDS
+VERIFIED_CACHE = 4 * MAX_RUN_RECORDS  # verified (key, subkey, value, expiration) digests remembered
 # Revocations must outlive the tickets they revoke; they are organizer-signed, so a long bound plants nothing.
 REVOCATION_LIFETIME = 366 * 86400.0
 _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
@@ -89,10 +84,6 @@ MAX_DUE_TIME = 2.0 ** 34  # seconds since the epoch: year 2514; readers bound it
 
 def peers_key(run_id: str) -> str:
     return f"{run_id}_peers"
-
-
-def contribs_key(run_id: str) -> str:
-    return f"{run_id}_contribs"
 
 
 def revoked_key(run_id: str) -> str:
@@ -219,8 +210,6 @@ class RunRecordValidator(RecordValidatorBase):
         self.max_lifetime = record_ttl + slack
         self.admission, self.rejects = admission, rejects
         self._peers_key, self._revoked_key = _key_id(peers_key(run_id)), _key_id(revoked_key(run_id))
-        self._contribs_key = _key_id(contribs_key(run_id))
-        self._record_keys = (self._peers_key, self._contribs_key)  # signed peer records (module docstring)
         self._settings_key = _key_id(settings_key(run_id))
         self._private_key = private_key
         self._own_subkey = self._public_der = None
@@ -249,14 +238,14 @@ class RunRecordValidator(RecordValidatorBase):
         return MSGPackSerializer.dumps([RECORD_TAG, record.key, record.subkey, payload, record.expiration_time])
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._record_keys or self._private_key is None or record.subkey != self._own_subkey:
+        if record.key != self._peers_key or self._private_key is None or record.subkey != self._own_subkey:
             return record.value  # not ours to sign: it will only pass if no signature is needed
         signature = self._private_key.sign(self._signed_message(record, record.value), padding.PKCS1v15(),
                                            hashes.SHA256())
         return MSGPackSerializer.dumps([RECORD_TAG, record.value, self._public_der, signature])
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._record_keys:
+        if record.key != self._peers_key:
             return record.value
         try:
             return MSGPackSerializer.loads(record.value)[1]
@@ -266,7 +255,7 @@ class RunRecordValidator(RecordValidatorBase):
     # ---- validation ------------------------------------------------------------------------------------
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key in self._record_keys:
+        if record.key == self._peers_key:
             ok = self._validate_peer_record(record)
         elif record.key == self._revoked_key:
             ok = self._validate_revocation(record)
@@ -334,8 +323,6 @@ class RunRecordValidator(RecordValidatorBase):
             return False
         if not check_record_payload(value, self.num_experts):
             return False
-        if record.key == self._contribs_key and "contrib" not in value:
-            return False  # that key holds contributors only: idle identities cannot park there
         if self.admission is not None and not self.admission.ticket_valid(peer_id, value.get("ticket")):
             return False
         return True

@@ -45,7 +45,7 @@ from sync.ownership import Ownership
 from sync.progress import SwarmProgress
 from sync.schedule import Scheduling
 from sync.report import RoundReport, _Pending
-from sync.peer_record import merge_announcers, proven_round
+from sync.peer_record import proven_round
 from sync.swarm import PeerRecord, Swarm, median_round
 from sync.transfer import ExpertExchange
 from sync.validate import RejectCounter
@@ -212,16 +212,10 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         report = RoundReport(self.round_id)
         self.shared.take_snapshot()
         own = self._publish(step, tokens, record=False)
-        # The background reader's recent view, updated by a fresh read of the contributors' key: their rounds are
-        # what "behind" is judged by, and a full read here would delay this peer's announcement, and so everyone's
-        # round, by its cost (a flood of records makes that hundreds of ms). The round's wait then reads every
-        # record (a peer that joined within the last poll is still waited for). Without a recent view, a full read.
-        recent = self.progress.others(max_age=2 * self.progress.poll + 1)
-        if recent:
-            others = {p: r for p, r in merge_announcers(recent, self.swarm.announcers(), self.round_id).items()
-                      if p != self.swarm.peer_id}
-        else:
-            others = self._others()
+        # A fresh read, not the progress reader's last one: a peer that joined within the last poll would not be
+        # waited for. Together with the background reader's recent view: a DHT read sometimes comes back partial
+        # (this peer's own record alone), and a round decided from it would have left a live peer out.
+        others = {**self.progress.others(max_age=2 * self.progress.poll + 1), **self._others()}
         report.peers_seen = len(others) + 1
         swarm_round = proven_round(others, self._delivered_ever)
         behind = swarm_round is not None and swarm_round > self.round_id + 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,15 +24,16 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from sync.records import contribs_key, peers_key, revoked_key
+from sync.records import peers_key, revoked_key
 from sync.peer_record import PeerRecord, median_round, process_origin, twin_started_first  # noqa: F401 (API)
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
-from sync.reach import Rejoin
+from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs
 from sync.settings import (SETTINGS_LIFETIME, fingerprint, first_difference, is_settings, run_fingerprint,
                            settings_key)
 
 logger = get_logger(__name__)
 
+REJOIN_TIMEOUT = 1.5  # seconds per connect / ping of an initial peer while cut off (retried every poll)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -64,7 +66,7 @@ def adoption_rank(peer_id: str, expert: int) -> bytes:
 
 
 @dataclass
-class Swarm(Rejoin):
+class Swarm:
     """One peer's membership in a run: its DHT node, its ownership record and a heartbeat."""
 
     dht: hivemind.DHT
@@ -82,7 +84,6 @@ class Swarm(Rejoin):
     def __post_init__(self) -> None:
         self.peer_id = str(self.dht.peer_id)
         self.key = peers_key(self.run_id)
-        self.contribs_key = contribs_key(self.run_id)  # contributors' copies of their records (announcers())
         self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin(get_dht_time()),
                                  cfg=fingerprint(self.settings) if self.settings else "")
         self._settings_stored_at = -float("inf")
@@ -94,10 +95,9 @@ class Swarm(Rejoin):
         self._rejoin_lock = threading.Lock()  # the heartbeat and the progress reader both check
         self._finished_experts: set[int] = set()  # see peers() and finish()
         self._claims: dict[str, list[int]] = {}  # other joiners' claims seen by the last read (choose_auto)
-        # The last read's parsed records by subkey, (expiration, record or None): see _read().
+        # The last read's parsed records by subkey, (expiration, record or None): a record changes every ttl / 3,
+        # so a thousand identities' records cost a lookup each per read, not a parse (callers never change them).
         self._parsed: dict[str, tuple[float, PeerRecord | None]] = {}
-        self._parsed_contribs: dict[str, tuple[float, PeerRecord | None]] = {}  # the same for announcers()
-        self._revoked_seen: set[str] = set()  # the last peers() read's revoked peers (closed runs)
         self._left: dict[int, set[str]] = {}  # expert -> peers whose clean-leave tombstone the last read showed
         self.withdrawn = False  # its tombstone is stored (a leaving peer: sync.leave stores it before the rest)
         # The origin of another live process that publishes under this peer ID and started first (the same
@@ -131,7 +131,6 @@ class Swarm(Rejoin):
                 return  # the record under this peer ID is the other process's
             self._stored_expiration = max(self._stored_expiration, expiration)
         if not wait:  # the heartbeat stores it again within ttl / 3 if this one fails
-            self._store_contrib_copy(value, expiration)
             self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=expiration,
                            return_future=True)
             return
@@ -174,54 +173,35 @@ class Swarm(Rejoin):
         the shutdown. Nothing once a twin started first (the record under this peer ID is the other process's)."""
         if self.twin is not None:
             return False
-        self._store_contrib_copy(value, expiration)
         return self._store_at(self.key, self.peer_id, value, expiration, timeout)
-
-    def _store_contrib_copy(self, value: dict[str, Any], expiration: float) -> None:
-        """A record that announces a contribution goes under the contributors' key too (announcers()), without
-        waiting: the heartbeat stores both again within ttl / 3. A tombstone keeps `contrib`, so it replaces
-        the copy as well."""
-        if "contrib" in value:
-            self.dht.store(self.contribs_key, subkey=self.peer_id, value=value, expiration_time=expiration,
-                           return_future=True)
 
     def _store_at(self, key: str, subkey: str, value: Any, expiration: float, timeout: float = 15.0) -> bool:
         future = self.dht.store(key, subkey=subkey, value=value, expiration_time=expiration, return_future=True)
         return bool(future.result(timeout=timeout))
 
-    def _read(self, key: str, cache: dict[str, tuple[float, PeerRecord | None]], revoked: set[str]
-              ) -> tuple[dict[str, tuple[float, PeerRecord | None]] | None, dict[str, tuple[float, PeerRecord | None]]]:
-        """One read of a key of peer records: (unexpired, unrevoked subkey -> (expiration, record or None if
-        malformed), or None if nothing was found; the cache for the next read). A record changes every ttl / 3, so a thousand identities'
-        records cost a lookup each per read, not a parse (callers never change the records)."""
-        found = self.dht.get(key, latest=True)
+    def peers(self) -> dict[str, PeerRecord]:
+        """Live peers' records (ours included once published)."""
+        found = self.dht.get(self.key, latest=True)
+        records: dict[str, PeerRecord] = {}
         if found is None or not isinstance(found.value, dict):
-            return None, cache
-        now, parsed = get_dht_time(), {}
+            return records
+        now = get_dht_time()
+        revoked = self.revoked() if self.admission is not None else set()
+        finished: set[int] = set()
+        claims: dict[str, list[int]] = {}
+        left: dict[int, set[str]] = {}
+        cache, parsed = self._parsed, {}
         for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
             expiration = getattr(item, "expiration_time", 0)
             if not isinstance(subkey, str) or expiration < now or subkey in revoked:
                 continue
             hit = cache.get(subkey)
             if hit is not None and hit[0] == expiration:
-                parsed[subkey] = hit
+                record = hit[1]
             else:
-                value = getattr(item, "value", None)
                 record = PeerRecord.from_value(subkey, value, self.num_experts) if _is_peer_id(subkey) else None
-                parsed[subkey] = (expiration, record)
-        return parsed, parsed
-
-    def peers(self) -> dict[str, PeerRecord]:
-        """Live peers' records (ours included once published)."""
-        revoked = self.revoked() if self.admission is not None else set()
-        read, parsed = self._read(self.key, self._parsed, revoked)
-        records: dict[str, PeerRecord] = {}
-        if read is None:
-            return records
-        finished: set[int] = set()
-        claims: dict[str, list[int]] = {}
-        left: dict[int, set[str]] = {}
-        for subkey, (expiration, record) in read.items():
+            parsed[subkey] = (expiration, record)
             if subkey == self.peer_id and record is not None:
                 self._check_twin(record, expiration)
             if record is not None and record.finished:
@@ -241,22 +221,7 @@ class Swarm(Rejoin):
             self._claims = claims
             self._left = left
             self._parsed = parsed
-            self._revoked_seen = revoked
         return records
-
-    def announcers(self) -> dict[str, PeerRecord]:
-        """Records of the peers that announced a contribution within their record's life (the contributors' key,
-        sync.records), a leaving or finished peer's last one included (`merge_announcers` drops that peer): what a
-        round's announcement wait polls, read instead of every record of the run."""
-        read, self._parsed_contribs = self._read(self.contribs_key, self._parsed_contribs, self._revoked_seen)
-        found = {p: r for p, (_, r) in (read or {}).items() if r is not None and r.contrib and p != self.peer_id}
-        finished = set().union(*(r.experts for r in found.values() if r.finished))
-        with self._lock:  # as peers() learns them (finished_experts, left_by)
-            self._finished_experts |= finished
-            for peer_id, record in found.items():
-                for expert in record.left:
-                    self._left.setdefault(expert, set()).add(peer_id)
-        return found
 
     def _check_twin(self, record: PeerRecord, expiration: float) -> None:
         """The record under this peer ID came from another process and was stored after this peer's latest
@@ -415,6 +380,58 @@ class Swarm(Rejoin):
         return sorted(set(range(self.num_experts)) - covered)
 
     # ---- heartbeat ----------------------------------------------------------------------------------------
+
+    def reachable(self) -> bool:
+        """Can this peer reach the run at all? True if one of the initial peers answers a ping now (bounded by
+        sync.reach.PING_TIMEOUT); always True without initial peers (the run's first node: nothing to be cut off
+        from). Asked only when no other peer is visible: alone in the run, or cut off from it (sync.ownership)."""
+        if not self.initial_peers:
+            return True
+        try:
+            with self._rejoin_lock:
+                if self.dht.run_coroutine(dht_neighbours) == 0:
+                    # No DHT node known: cut off until a moment ago at best. Re-join if the link is back (records
+                    # of the others reach this peer only after that), but do not call it reachable yet.
+                    self._rejoin_if_cut_off()
+                    return False
+            return self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers))) > 0
+        except Exception as e:  # the DHT process is stopping or wedged: not reachable, as far as we can tell
+            logger.debug(f"reachability check failed: {e!r}")
+            return False
+
+    def rejoin_if_cut_off(self) -> bool:
+        """If the DHT routing table is empty (hivemind drops every node whose request failed: a link that was
+        down for a while leaves none, and hivemind never bootstraps again), ping the initial peers to get back
+        in, and publish this peer's record at once. Returns True when it re-joined now."""
+        # Blocking: a caller must not see "reachable" while another thread is half-way through a re-join.
+        if not self._rejoin_lock.acquire(timeout=PING_TIMEOUT):
+            return False
+        try:
+            return self._rejoin_if_cut_off()
+        finally:
+            self._rejoin_lock.release()
+
+    def _rejoin_if_cut_off(self) -> bool:
+        if not self.initial_peers or self.dht.run_coroutine(dht_neighbours) > 0:
+            self._cut_off_since = None
+            return False
+        now = time.monotonic()
+        if self._cut_off_since is None:
+            self._cut_off_since = now
+            logger.warning("no DHT node reachable any more (link down?): trying to re-join through the run's "
+                           "initial peers")
+        # Short attempts, one per poll: an attempt started while the link is still down must not delay the
+        # first one after it is back by a long timeout.
+        found = self.dht.run_coroutine(functools.partial(ping_maddrs, list(self.initial_peers),
+                                                         timeout=REJOIN_TIMEOUT))
+        if not found:
+            return False
+        logger.info(f"re-joined the DHT through {found} initial peer(s), {now - self._cut_off_since:.0f}s after "
+                    f"losing it")
+        self._cut_off_since = None
+        self.rejoined_at = time.monotonic()
+        self.publish()  # its record expired everywhere else meanwhile: be visible again now, not at the next beat
+        return True
 
     # ---- the run's settings (sync/settings.py) ----------------------------------------------------------
 

@@ -22,13 +22,12 @@ RUN = "doors"
 PEERS_KEY = DHTID.generate(source=peers_key(RUN)).to_bytes()
 
 
-def _signed(key: rsa.RSAPrivateKey, payload: dict, lifetime: float = 20.0, dht_key: bytes = PEERS_KEY
-            ) -> DHTRecord:
+def _signed(key: rsa.RSAPrivateKey, payload: dict, lifetime: float = 20.0) -> DHTRecord:
     """A peer record signed by `key` for its own peer ID, as that peer's node would store it."""
     signer = RunRecordValidator(RUN, num_experts=4, private_key=key)
     der = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     subkey = MSGPackSerializer.dumps(peer_id_of_public_key(der).to_base58())
-    record = DHTRecord(key=dht_key, subkey=subkey, value=MSGPackSerializer.dumps(payload),
+    record = DHTRecord(key=PEERS_KEY, subkey=subkey, value=MSGPackSerializer.dumps(payload),
                        expiration_time=get_dht_time() + lifetime)
     return DHTRecord(key=record.key, subkey=record.subkey, value=signer.sign_value(record),
                      expiration_time=record.expiration_time)
@@ -67,37 +66,6 @@ def test_keys_outside_the_run_and_oversized_values_are_refused():
     assert not validator.validate(junk)
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     assert not validator.validate(_signed(key, {**PAYLOAD, "ticket": b"x" * (records.MAX_VALUE_BYTES + 1)}))
-
-
-@pytest.mark.unit
-def test_the_contributors_key_holds_only_records_that_announce_a_contribution():
-    """Identities that never contribute cannot park records under the key the announcement wait polls."""
-    contribs = DHTID.generate(source=records.contribs_key(RUN)).to_bytes()
-    validator = RunRecordValidator(RUN, num_experts=4)
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    announcing = {**PAYLOAD, "contrib": [1, 100, "0" * 64, 100, [1]]}
-    assert not validator.validate(_signed(key, PAYLOAD, dht_key=contribs))
-    assert validator.validate(_signed(key, announcing, dht_key=contribs))
-    assert validator.validate(_signed(key, PAYLOAD))  # the run's own key takes every valid record
-
-
-@pytest.mark.unit
-def test_the_announcement_polls_update_the_full_read_without_reviving_departed_peers():
-    from sync.peer_record import merge_announcers
-
-    def rec(peer: str, round_id: int, contrib_round: int | None) -> PeerRecord:
-        contrib = None if contrib_round is None else [contrib_round, 100, "0" * 64, 1, [0]]
-        return PeerRecord(peer, [0], round=round_id, contrib=contrib)
-
-    full = {"a": rec("a", 5, 4), "b": rec("b", 5, 4), "idle": rec("idle", 5, None), "done": rec("done", 5, 5)}
-    finished = rec("done", 5, 5)
-    finished.finished = True
-    fresh = {"a": rec("a", 5, 5), "b": rec("b", 4, 3),  # b's copy is from a replica that missed its latest store
-             "new": rec("new", 5, 5), "gone": rec("gone", 4, 4), "done": finished}
-    merged = merge_announcers(full, fresh, round_id=5)
-    assert merged["a"].contrib[0] == 5 and merged["b"].round == 5 and merged["b"].contrib[0] == 4
-    assert "new" in merged and "gone" not in merged and "idle" in merged
-    assert "done" not in merged  # its copy says it finished: not waited for until the next full read
 
 
 @pytest.mark.unit
@@ -180,40 +148,3 @@ def test_the_bootstrap_counts_claimants_that_never_contributed_in_three_swarm_ro
     status = SwarmStatus.from_records(records, num_experts=4, unserved=1)
     assert "1 claiming experts but never contributing" in status.line("run", "abc")
     assert "never contributing" not in SwarmStatus.from_records(records, num_experts=4).line("run", "abc")
-
-
-@pytest.mark.unit
-def test_the_background_reader_spends_a_bounded_share_on_full_reads_and_reads_contributors_between():
-    """A full read that costs much (a flood of records) is repeated only after FULL_READ_SHARE of its cost has
-    passed; the polls in between read the contributors' key, whose newer records update the view."""
-    import types
-
-    from sync.progress import FULL_READ_SHARE, SwarmProgress
-
-    contrib = [3, 100, "0" * 64, 1, [0]]
-    counts = {"full": 0, "contributors": 0}
-
-    class Swarm:
-        peer_id, record, ttl = "me", types.SimpleNamespace(round=3), 30.0
-
-        def rejoin_if_cut_off(self) -> bool:
-            return False
-
-        def peers(self) -> dict:
-            counts["full"] += 1
-            time.sleep(0.03)  # a costly read: the next one comes 0.03 / FULL_READ_SHARE = 1 s later
-            return {"me": PeerRecord("me", [0], round=3), "a": PeerRecord("a", [1], round=2)}
-
-        def announcers(self) -> dict:
-            counts["contributors"] += 1
-            return {"a": PeerRecord("a", [1], round=3, contrib=contrib)}
-
-    progress = SwarmProgress(Swarm(), poll=0.05)
-    progress.start()
-    try:
-        time.sleep(1.5)
-    finally:
-        progress.stop()
-    assert FULL_READ_SHARE <= 0.05 and 1 <= counts["full"] <= 2, counts  # a poll of 0.05 s alone: ~20 of them
-    assert counts["contributors"] >= 5, counts
-    assert progress.others()["a"].round == 3  # the contributor's newer record, between full reads
