@@ -139,8 +139,9 @@ def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str]
                     return hivemind.DHT(**kwargs)
             except Exception as e:  # hivemind raises P2PDaemonError/ValueError/... with the daemon's own message
                 reason = " ".join(str(e).split()) or type(e).__name__
-                if "can't access this node" in reason and identity_path:
-                    # Also what a second process with the same identity gets when both start together.
+                if "can't access this node" in reason and temp_dir is None and identity_path:
+                    # Also what a second process with the same identity file gets when both start together (a
+                    # fresh temp identity, temp_dir, is nobody else's: no hint then).
                     reason += f" (or another process uses the identity {identity_path}: give this one its own)"
                 if "bootstrap" not in reason or not initial_peers:
                     raise SwarmError(reason) from None
