@@ -188,8 +188,11 @@ class Simulation:
         before = {id(p): (sum(p.sync.bytes_sent().values()) + sum(p.sync.bytes_received().values()), p.reads,
                           p.stores, p.records_read) for p in self.peers}
         started = time.monotonic()
-        for peer in self.peers:
-            peer.sync.start_round(step=index, tokens=100 * index, tokens_since_last=100)
+        # All at once, as separate machines would: one after the other, the first peers' announcement wait
+        # (matchmaking_time) ran out before the last ones had published, and they aggregated fewer contributions.
+        with ThreadPoolExecutor(max_workers=len(self.peers)) as pool:
+            list(pool.map(lambda p: p.sync.start_round(step=index, tokens=100 * index, tokens_since_last=100),
+                          self.peers))
         reports = [peer.sync.finish_round(block=True) for peer in self.peers]
         wall = time.monotonic() - started
         stats = []
