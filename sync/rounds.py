@@ -234,7 +234,8 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
                       others_at_start: dict[str, PeerRecord] | None) -> tuple[dict[str, PeerRecord], dict[str, PeerRecord]]:
         """The records read during a round (network thread), judged before anything is decided from them: an
         incomplete read gives ({} , the peers seen in either read), so that no ownership changes; a read showing
-        no other peer sets `report.cut_off` when this peer cannot reach the run (asked with a ping)."""
+        no other peer, or a round that got no other peer's contribution, sets `report.cut_off` when this peer cannot
+        reach the run (asked with a ping)."""
         others = self._others(records)
         if ((self.model.owned_experts and self.swarm.peer_id not in records) or len(others) + 1 < report.group_size
                 or (not others and report.peers_seen > 1)):
@@ -245,7 +246,11 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
             logger.warning(f"the run's peer records read this round are incomplete ({len(others)} other peer(s), "
                            f"{report.group_size} contributions): no ownership change from them")
             return {}, {**(others_at_start or {}), **others}
-        if not others and records:  # alone, or cut off from the run? Asked here, off the training thread (a ping).
+        if records and (not others or (report.group_size <= 1 and any(r.experts for r in others.values()))):
+            # Alone, or cut off from the run? Asked here, off the training thread (a ping). Also when owners'
+            # records show but none of their contributions came: a cut-off peer still reads records it cached
+            # until they expire, one after another, and would adopt the experts of the first to expire. (A
+            # clean leave's tombstone owns nothing: its experts are adopted at once, sync.ownership.)
             # Just re-joined after a cut: the others' records may not have reached this peer yet (ttl to be sure).
             reachable = self.swarm.reachable()
             rejoined = time.monotonic() - self.swarm.rejoined_at < self.cfg.record_ttl

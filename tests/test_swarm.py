@@ -216,6 +216,35 @@ def test_record_parsing_refuses_hostile_values():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("others, group, answers, cut_off", [
+    ((), 1, False, True),          # sees nobody, the run does not answer: cut off
+    (("b",), 1, False, True),      # sees a cached record but got nobody's contribution: cut off too
+    (("b",), 1, True, False),      # ... while the run answers: alone in this round, not cut off
+    (("b",), 2, False, False),     # a contribution came: connected, nobody is asked
+    (("left",), 1, False, False),  # only a clean leave's tombstone: its experts are taken over, nobody is asked
+])
+def test_a_round_without_anyone_s_contribution_asks_whether_the_peer_is_cut_off(others, group, answers, cut_off):
+    """A partitioned peer reads records it cached until they expire, one after another; its rounds got nobody's
+    contribution. It must count as cut off (adopting nothing) unless the run's initial peers answer."""
+    from types import SimpleNamespace
+
+    from sync.report import RoundReport
+    from sync.rounds import SparseSync
+    from sync.swarm import PeerRecord
+
+    asked = []
+    swarm = SimpleNamespace(peer_id="a", rejoined_at=-1e9, reachable=lambda: asked.append(1) or answers)
+    peer = SimpleNamespace(swarm=swarm, model=SimpleNamespace(owned_experts=[0]),
+                           cfg=SimpleNamespace(record_ttl=10.0))
+    peer._others = lambda records: SparseSync._others(peer, records)
+    records = {p: PeerRecord(p, [] if p == "left" else [1]) for p in ("a", *others)}
+    report = RoundReport(5)
+    report.group_size, report.peers_seen = group, len(records)
+    kept, _ = SparseSync._checked_read(peer, report, records, None)
+    assert kept == records and report.cut_off is cut_off and bool(asked) is (group <= 1 and others != ("left",))
+
+
+@pytest.mark.unit
 def test_least_covered_and_adoption_rules_are_deterministic():
     from sync.swarm import least_covered
     coverage = {0: 2, 1: 0, 2: 1, 3: 0}
