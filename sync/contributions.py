@@ -343,11 +343,21 @@ class Contributions(Repair):
         started = time.monotonic()
         deadline = min(started + wait, max(ends, started + MIN_FETCH_SECONDS))
         results = self.contrib_exchange.fetch_many(requests, deadline=deadline)
+        late = [r for r in requests if not isinstance(results[r[1]], (bytes, bytearray))
+                and "digest" not in str(results[r[1]])]
+        # Most blobs not in by the deadline: this peer's own link or CPU is the likelier cause (a joiner's first
+        # connections, a busy machine), and aggregating without them makes it diverge for sure (a repair next
+        # round): those are asked again until the round's end. Peers serving garbage are never asked again.
+        if late and 2 * len(late) > len(requests) and time.monotonic() < ends:
+            results.update(self.contrib_exchange.fetch_many(late, deadline=ends))
         blobs = {p: r for p, r in results.items() if isinstance(r, (bytes, bytearray))}
-        for origin, result in results.items():
-            if not isinstance(result, (bytes, bytearray)):
-                reason = "digest" if "digest" in str(result) else "missing"
-                self.rejects.add(reason)
+        failed = {p: r for p, r in results.items() if p not in blobs}
+        for origin, result in failed.items():
+            reason = "digest" if "digest" in str(result) else "missing"
+            self.rejects.add(reason)
+            # A source is struck (not waited for next round) for garbage, or for silence while most others
+            # delivered; not for a failure that was most likely this peer's own.
+            if reason == "digest" or 2 * len(failed) <= len(results):
                 self._missed(origin, f"served no valid contribution ({result})")
         got = sum(len(b) for b in blobs.values())
         if got and blobs:

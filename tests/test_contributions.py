@@ -131,6 +131,32 @@ def test_error_feedback_and_synchronized_values_survive_a_restart(swarm_factory)
     assert all(torch.equal(a, b) for a, b in zip(before, other.sync.shared.synced))
 
 
+def test_a_peer_that_got_most_blobs_late_asks_again_and_strikes_nobody(swarm_factory):
+    """Most fetches failing at once is most likely the fetching peer's own doing (a joiner's first connections,
+    a busy machine): it asks again until the round's end instead of aggregating alone (and diverging), and does
+    not strike the peers that served everyone else."""
+    from sync.contrib_exchange import ContributionError
+
+    cfg = contrib_cfg(compression="sparse")
+    peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
+    slow = peers[0]
+    fetch_many, calls = slow.sync.contrib_exchange.fetch_many, []
+
+    def first_pass_times_out(requests, deadline):
+        calls.append(len(requests))
+        if len(calls) == 1:  # nothing in by the first deadline
+            return {origin: ContributionError("timeout") for _, origin, *_ in requests}
+        return fetch_many(requests, deadline)
+
+    slow.sync.contrib_exchange.fetch_many = first_pass_times_out
+    for i, peer in enumerate(peers):
+        local_training(peer, seed=i)
+    reports = round_all(peers)
+    assert calls == [2, 2] and [r.group_size for r in reports] == [3, 3, 3]
+    assert_identical(peers)
+    assert not slow.sync._misses and not any(slow.sync._skipped(p.swarm.peer_id) for p in peers[1:])
+
+
 def test_a_peer_whose_synchronized_tensors_differ_repairs_within_one_round(swarm_factory):
     cfg = contrib_cfg(compression="sparse")
     peers = [swarm_factory([0, 1], cfg), swarm_factory([2], cfg), swarm_factory([3], cfg)]
