@@ -1,16 +1,15 @@
 """SPES processes in the network lab (tests/netlab.py), shared by the namespace tests and bench/wan.py.
 
-One launcher for `dht_bootstrap` and `peer.run` inside a lab's namespaces, a parser for the peers' round log
-lines ("round N applied at step S: shared group G, ..., X.XXs (Y.YYs blocked)"), and a CPU-quota helper that
-makes one peer slower than the others the way a slower machine is (a cgroup CPU limit, no code of ours involved).
+One launcher for `dht_bootstrap` and `peer.run` inside a lab's namespaces, the peers' applied rounds (their run
+dirs' rounds.jsonl, not log text), and a CPU-quota helper that makes one peer slower than the others the way a
+slower machine is (a cgroup CPU limit, no code of ours involved).
 """
 from __future__ import annotations
 
+import json
 import os
-import re
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -19,37 +18,12 @@ from tests.netlab import NetLab, Node, NsProcess
 RUN_ID = "netlab"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-_LIST = r"(none|\[[\d, ]*\])"
-ROUND_RE = re.compile(
-    r"^(\w{3} \d\d [\d:.]+) \[INFO\] \[\S+ \w+\] round (\d+) applied at step (\d+): shared group (\d+), "
-    rf"experts synced (\d+), missing {_LIST}, rejected (\d+), adopted {_LIST}(?:, gave back {_LIST})?"
-    r"(, re-downloaded)?(?:, merged \(alpha [\d.]+\))?, ([\d.]+)s \(([\d.]+)s blocked\)(?: \[[^\]]*\])?$", re.M)
-
-
-def _experts(text: Optional[str]) -> list[int]:
-    return [] if text in (None, "none") else [int(x) for x in re.findall(r"\d+", text)]
-
-
-def _log_time(stamp: str) -> float:
-    """hivemind's log time ("Dec 01 23:25:19.009", local time, no year) as a Unix timestamp."""
-    now = datetime.now()
-    parsed = datetime.strptime(f"{now.year} {stamp}", "%Y %b %d %H:%M:%S.%f")
-    if parsed > now and (parsed - now).days > 300:  # a run across New Year's Eve
-        parsed = parsed.replace(year=now.year - 1)
-    return parsed.timestamp()
-
-
-def line_time(log_text: str, needle: str) -> float:
-    """Unix time of the log line that holds the first `needle` (hivemind's stamp opens each line)."""
-    line_start = log_text.rfind("\n", 0, log_text.index(needle)) + 1
-    return _log_time(log_text[line_start:line_start + len("Dec 01 23:25:19.009")])
-
 
 @dataclass
 class Round:
-    """One "round N applied" line of a peer's log."""
+    """One applied round of a peer, from its run dir's rounds.jsonl (peer/node.py `_log_round`)."""
 
-    applied_at: float  # Unix time of the log line
+    applied_at: float  # Unix time the round was applied
     round_id: int
     step: int
     group: int
@@ -66,9 +40,19 @@ class Round:
         return self.applied_at - self.seconds
 
 
-def rounds(log_text: str) -> list[Round]:
-    return [Round(_log_time(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), _experts(m[6]), _experts(m[8]),
-                  _experts(m[9]), bool(m[10]), float(m[11]), float(m[12])) for m in ROUND_RE.finditer(log_text)]
+def rounds(proc: NsProcess) -> list[Round]:
+    """The rounds `proc` (a `spes_peer`) applied so far; a line still being written is skipped."""
+    path = Path(proc.argv[proc.argv.index("--run-dir") + 1]) / "rounds.jsonl"
+    found = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        found.append(Round(r["time"], r["round"], r["step"], r["contributions"], len(r["experts_synced"]),
+                           r["missing"], r["adopted"], r["given_back"], r["redownloaded"], r["seconds"],
+                           r["blocked_s"]))
+    return found
 
 
 def start_bootstrap(lab: NetLab, node: Node, num_experts: int, *flags: str) -> tuple[NsProcess, str]:
@@ -95,8 +79,7 @@ def wait_rounds(proc: NsProcess, count: int, timeout: float, min_group: int = 1,
     """Wait until `proc` applied `count` rounds with at least `min_group` peers that started after `after`."""
     deadline = time.monotonic() + timeout
     while True:
-        found = [r for r in rounds(proc.log_path.read_text(errors="replace"))
-                 if r.group >= min_group and r.started_at >= after]
+        found = [r for r in rounds(proc) if r.group >= min_group and r.started_at >= after]
         if len(found) >= count:
             return found
         if not proc.alive() or time.monotonic() > deadline:

@@ -45,13 +45,13 @@ def test_three_peer_processes_through_hivemind_dht(tmp_path, processes):
     for i, (_, err) in enumerate(outputs):
         records = [json.loads(l) for l in (tmp_path / f"peer{i}" / "metrics.jsonl").read_text().splitlines()]
         assert records[-1]["step"] == 40, records[-1]
-        # Counted from the log: the last round is applied after the last metrics record (drained at the end).
-        # A peer that started first may train up to every/2 steps past a due round while the others have not
-        # reached it yet (SparseSync._defer), so 3 rounds in 40 steps at every=10, not 4.
-        applied = re.findall(r"round \d+ applied at step", err)
-        assert len(applied) >= 3, err[-3000:]
+        # Counted from rounds.jsonl: the last round is applied after the last metrics record (drained at the
+        # end). A peer that started first may train up to every/2 steps past a due round while the others have
+        # not reached it yet (SparseSync._defer), so 3 rounds in 40 steps at every=10, not 4.
+        rounds = [json.loads(l) for l in (tmp_path / f"peer{i}" / "rounds.jsonl").read_text().splitlines()]
+        assert len(rounds) >= 3, err[-3000:]
         assert records[-1]["owned_experts"], records[-1]
-        assert re.search(r"shared group [23]", err), err[-3000:]
+        assert any(r["contributions"] in (2, 3) for r in rounds), (rounds, err[-3000:])
     # The peers exited by themselves; their p2pd daemons must follow (the fixture reaps the bootstrap node and
     # fails the test on any daemon left).
     bootstrap.terminate()

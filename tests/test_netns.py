@@ -177,7 +177,7 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
 
     for proc in (home, *publics):
         assert proc.wait(timeout=150) == 0, proc.log_tail(60)
-    home_rounds = rounds(home.log_path.read_text())
+    home_rounds = rounds(home)
     assert len(home_rounds) >= 9, home.log_tail(60)
     # The home peer's rounds were with both public peers (the final drain after the last step may find them gone
     # already), but for at most two: a record announces only its peer's newest contribution, so a peer that
@@ -189,9 +189,9 @@ def test_home_peer_trains_and_serves_experts_behind_nat(netlab: NetLab, mode: st
     for proc in publics:
         # ... and each public peer synchronized all 4 experts, the home peer's 2 and 3 (from its contribution)
         # among them.
-        full = [r for r in rounds(proc.log_path.read_text()) if r.group == 3 and r.synced == 4 and not r.missing]
+        full = [r for r in rounds(proc) if r.group == 3 and r.synced == 4 and not r.missing]
         assert len(full) >= len(home_rounds) - 3, [(r.round_id, r.group, r.synced)
-                                                   for r in rounds(proc.log_path.read_text())]
+                                                   for r in rounds(proc)]
     # What spes_relay_reservations serves, as the home peer's metrics.jsonl recorded it while it trained.
     held = [json.loads(line).get("relay_reservations") for line in
             (netlab.workdir / "run-home" / "metrics.jsonl").read_text().splitlines()]

@@ -2,7 +2,7 @@
 
 Separate `python -m peer.run` processes in network namespaces (tests/netlab.py) around a `dht_bootstrap` node:
 the partition is a real link going down (the hub-side veth end), the slow peer a real CPU limit (a cgroup). The
-checks read the peers' own round log lines and metrics.jsonl (tests/swarmlab.py); nothing is timed here beyond
+checks read the peers' rounds.jsonl and metrics.jsonl (tests/swarmlab.py); nothing is timed here beyond
 the round bounds the design promises (docs/DESIGN.md, "Partitions", "Heterogeneous peers"); bench/wan.py
 measures the blocked shares.
 """
@@ -35,7 +35,7 @@ def _stop(procs: list[NsProcess]) -> None:
 
 def _wait_round(proc: NsProcess, accept, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not any(accept(r) for r in rounds(proc.log_path.read_text(errors="replace"))):
+    while not any(accept(r) for r in rounds(proc)):
         assert proc.alive() and time.monotonic() < deadline, proc.log_tail(40)
         time.sleep(0.5)
 
@@ -69,15 +69,15 @@ def test_sixty_second_partition_heals_without_a_restart(netlab: NetLab) -> None:
     assert "re-joined the DHT" in pc_log, pc_log[-3000:]
     # Back in the rounds within 2 of the swarm's rounds after its link returned, by itself (same process, no
     # restart). Its own rounds while it is alone take milliseconds, so the others' round period is the clock.
-    pa_rounds = rounds(peers["pa"].log_path.read_text())
+    pa_rounds = rounds(peers["pa"])
     period = sorted(b.started_at - a.started_at for a, b in zip(pa_rounds, pa_rounds[1:]))[len(pa_rounds) // 2]
     # (Rounds of this test config take ~1-2 s; a re-join takes a few seconds on 2 busy cores: 11.4 s once under the
     # full CI suite, so 15 s at most. At a real H, minutes per round, that is within the first round.)
     assert back.started_at - up_at <= max(2 * period, 15.0), (back.started_at - up_at, period)
     # Cut off, it adopted nothing (it would have come back owning every expert).
-    assert not any(r.adopted for r in rounds(pc_log) if down_at <= r.started_at <= up_at)
+    assert not any(r.adopted for r in rounds(peers["pc"]) if down_at <= r.started_at <= up_at)
     for name in ("pa", "pb"):
-        during = [r for r in rounds(peers[name].log_path.read_text()) if down_at <= r.applied_at <= up_at + 5]
+        during = [r for r in rounds(peers[name]) if down_at <= r.applied_at <= up_at + 5]
         assert during, f"{name} applied no round while pc was away"
         # No round of the others waited more than the matchmaking window plus one timeout (and some slack for
         # 2 shared CPU cores).
@@ -108,12 +108,12 @@ def test_three_times_slower_peer_joins_the_rounds_without_stalling_the_fast_ones
     finally:
         quota.close()
 
-    slow = [r for r in rounds(peers["slow"].log_path.read_text()) if r.group >= 3]
+    slow = [r for r in rounds(peers["slow"]) if r.group >= 3]
     steps = [b.step - a.step for a, b in zip(slow, slow[1:])]
     # The slow peer entered the fast peers' rounds early, after fewer than `every` of its own steps.
     assert len(slow) >= 3 and any(s < every for s in steps), [(r.round_id, r.step, r.group) for r in slow]
     for name in ("fa", "fb"):
-        fast = rounds(peers[name].log_path.read_text())[1:]  # round 1 waits for the others' start-up
+        fast = rounds(peers[name])[1:]  # round 1 waits for the others' start-up
         # Their groups kept the slow peer in (it joins instead of averaging alone later) ...
         assert sum(r.group >= 3 for r in fast) >= len(fast) / 2, [(r.round_id, r.group) for r in fast]
         # ... and no round of theirs waited for it beyond the matchmaking window.
