@@ -343,8 +343,8 @@ class Contributions(Repair):
         started = time.monotonic()
         deadline = min(started + wait, max(ends, started + MIN_FETCH_SECONDS))
         results = self.contrib_exchange.fetch_many(requests, deadline=deadline)
-        late = [r for r in requests if not isinstance(results[r[1]], (bytes, bytearray))
-                and "digest" not in str(results[r[1]])]
+        missing = lambda r: not isinstance(r, (bytes, bytearray)) and "digest" not in str(r)
+        late = [r for r in requests if missing(results[r[1]])]
         # Most blobs not in by the deadline: this peer's own link or CPU is the likelier cause (a joiner's first
         # connections, a busy machine), and aggregating without them makes it diverge for sure (a repair next
         # round): those are asked again until the round's end. Peers serving garbage are never asked again.
@@ -353,11 +353,10 @@ class Contributions(Repair):
         blobs = {p: r for p, r in results.items() if isinstance(r, (bytes, bytearray))}
         failed = {p: r for p, r in results.items() if p not in blobs}
         for origin, result in failed.items():
-            reason = "digest" if "digest" in str(result) else "missing"
-            self.rejects.add(reason)
-            # A source is struck (not waited for next round) for garbage, or for silence while most others
-            # delivered; not for a failure that was most likely this peer's own.
-            if reason == "digest" or 2 * len(failed) <= len(results):
+            self.rejects.add("missing" if missing(result) else "digest")
+            # Struck (not waited for next round) for garbage, or for silence while most others delivered; not
+            # for a failure that was most likely this peer's own.
+            if not missing(result) or 2 * len(failed) <= len(results):
                 self._missed(origin, f"served no valid contribution ({result})")
         got = sum(len(b) for b in blobs.values())
         if got and blobs:

@@ -11,8 +11,9 @@ rules keep ownership from doubling (or vanishing):
 
 * a peer that sees no other peer (or no other peer's contribution) and cannot reach the run's initial peers
   is cut off, not alone: it adopts nothing (otherwise it would return owning every expert); an expert is
-  adopted only when two rounds' reads in a row show it without a live owner, and a read that is visibly incomplete (sync.rounds) is not used,
-  so one failed or partial DHT read (a flaky link, a NAT) cannot make a peer adopt the experts of live peers.
+  adopted only when two rounds' reads in a row show it without a live owner, and a read that is visibly
+  incomplete (sync.rounds) is not used, so one failed or partial DHT read (a flaky link, a NAT) cannot make a
+  peer adopt the experts of live peers.
   The exception is a clean leave: the leaver's signed tombstone lists the experts it left (`left`), and the
   experts it was seen owning are adopted on the first read that shows the tombstone;
 * a caretaker gives an expert back only once a peer owning it for good is seen and the two copies were averaged
