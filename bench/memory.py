@@ -3,10 +3,12 @@
     python -m bench.memory                      # paper-1b shape (vocab 32000, batch 1 x 512 tokens), 3 arms
     python -m bench.memory --shape tiny         # seconds: smoke run of the same code
     python -m bench.memory --arm owned_quarter  # one arm in this process (what the driver runs per arm)
+    python -m bench.memory --peer-run           # whole-process peak RSS of `peer.run --max-steps 1`, all vs 1/4
 
-One step = the project's `model.model.lm_loss` forward, backward, grad clipping, the project's AdamW
-(`peer.optim.build_optimizer`) step and `zero_grad(set_to_none=True)`, like `peer.train.Trainer.train_step`
-with grad_accum 1, on CPU in fp32 (frozen experts stored in `model.frozen_expert_dtype`, bf16 by default).
+One step = the project's `model.model.lm_loss` forward, backward, `peer.train.release_freed_memory`, grad
+clipping, the project's AdamW (`peer.optim.build_optimizer`) step and `zero_grad(set_to_none=True)`, like
+`peer.train.Trainer.train_step` with grad_accum 1, on CPU in fp32 (frozen experts stored in
+`model.frozen_expert_dtype`, bf16 by default).
 Each arm runs in its own fresh subprocess, one after the other, so no arm sees another's memory.
 
 Memory is the process's resident set (RSS), read from the kernel: "peak RSS" is the exact high-water mark of
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import tempfile
 import sys
 import time
 import types
@@ -152,6 +156,7 @@ def run_step(model: "SpesMoE", optimizer: torch.optim.Optimizer, batch: torch.Te
              audit: "SavedTensorAudit | None" = None) -> dict[str, Any]:
     """One training step as in Trainer.train_step (grad_accum 1); returns phase peaks, sizes and times."""
     from model.model import lm_loss
+    from peer.train import release_freed_memory
 
     out: dict[str, Any] = {}
     start = time.perf_counter()
@@ -171,6 +176,7 @@ def run_step(model: "SpesMoE", optimizer: torch.optim.Optimizer, batch: torch.Te
     t0 = time.perf_counter()
     loss.backward()
     del loss
+    release_freed_memory(torch.device("cpu"))
     out["backward_s"] = time.perf_counter() - t0
     out["backward_peak"] = meter.stop()
     out["after_backward_rss"] = rss_bytes()
@@ -283,6 +289,35 @@ def run_arm_subprocess(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# --peer-run arms: the experts `peer.run --experts` is given.
+PEER_RUN_ARMS = {"all_owned": "all", "owned_quarter": "quarter"}
+
+
+def run_peer_process(arm: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
+    """One `python -m peer.run --max-steps 1` (a lone peer: DHT, data, model, one step, the sync state it keeps
+    for its rounds); returns the whole process's peak RSS (`ru_maxrss` of the child, exact)."""
+    cfg = build_config(args.shape, args.vocab or None, args.seq_len or None, None)
+    owned = owned_experts(PEER_RUN_ARMS[arm], cfg.model.num_experts)
+    cmd = [sys.executable, "-m", "peer.run", "--config", str(config_path(args.shape)), "--tokenizer", "builtin",
+           "--max-steps", "1", "--experts", ",".join(map(str, owned)), "--run-dir", run_dir,
+           "--set", f"model.vocab_size={cfg.model.vocab_size}", "--set", f"model.seq_len={cfg.model.seq_len}",
+           "--set", f"train.batch_size={args.batch}", "--set", "train.grad_accum=1",
+           "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0"]
+    if args.wait_quiet:
+        wait_until_quiet(args.wait_quiet)
+    logger.info(f"running {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    with open(os.path.join(run_dir, "peer.log"), "w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(config_path(args.shape).parent.parent))
+        _, status, usage = os.wait4(proc.pid, 0)  # reaped here, not by Popen: its rusage is the child's own
+        code = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        if code != 0:
+            raise RuntimeError(f"peer.run ({arm}) failed with exit code {code}: {log.read()[-300:]}")
+    return {"arm": arm, "owned": len(owned), "num_experts": cfg.model.num_experts,
+            "wall_s": time.perf_counter() - t0, "peak_rss": usage.ru_maxrss * 1024}
+
+
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
@@ -363,6 +398,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wait-quiet", type=float, default=300, metavar="SECONDS",
                         help="before each arm, wait up to this long for other processes to leave the CPUs idle "
                              "(0: don't wait; default 300)")
+    parser.add_argument("--peer-run", action="store_true",
+                        help="instead of the arms: whole-process peak RSS of `python -m peer.run --max-steps 1` "
+                             "owning all experts vs a quarter (a lone peer with its DHT, data and sync state)")
     parser.add_argument("--json", metavar="FILE", help="also write all results as JSON to FILE")
     return parser.parse_args(argv)
 
@@ -376,6 +414,18 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return 0
     t0 = time.perf_counter()
+    if args.peer_run:
+        with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+            runs = [run_peer_process(arm, args, tempfile.mkdtemp(dir=tmp)) for arm in PEER_RUN_ARMS]
+        base = runs[0]["peak_rss"]
+        print(f"bench.memory --peer-run: shape {args.shape}, `python -m peer.run --max-steps 1`, whole-process peak RSS\n")
+        print(format_table(["arm", "owned experts", "peak RSS GiB", "mem ratio vs all", "process wall s"],
+                           [[r["arm"], f"{r['owned']}/{r['num_experts']}", _gib(r["peak_rss"]),
+                             f"{r['peak_rss'] / base:.3f}", f"{r['wall_s']:.1f}"] for r in runs]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(runs, f, indent=1)
+        return 0
     results = [run_arm_subprocess(arm, args) for arm in args.arms]
     print(report(results))
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s")

@@ -103,6 +103,23 @@ def test_frozen_path_gradients_equal_the_fp32_reference():
         torch.testing.assert_close(grads_frozen[name].grad, param.grad, rtol=1e-4, atol=1e-6)
 
 
+
+def test_bf16_frozen_weights_of_one_shape_each_keep_their_own_values_forward_and_backward():
+    """Frozen bf16 weights are upcast into one reused CPU buffer per shape: two weights of the same shape in one
+    graph still give the plain fp32 results, outputs and input gradients alike."""
+    from model.experts import frozen_linear
+
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(24, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    x = torch.randn(5, 16, generator=g, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y = frozen_linear(x, w1) * frozen_linear(x, w2)
+    y_ref = (x_ref @ w1.float().T) * (x_ref @ w2.float().T)
+    torch.testing.assert_close(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
 def test_ownership_switch_at_run_time():
     model = SpesMoE(CFG, owned_experts=[0], seed=0)
     optimizer = build_optimizer(model, TrainConfig(lr=1e-2))
