@@ -5,10 +5,10 @@
     python -m bench.memory --arm owned_quarter  # one arm in this process (what the driver runs per arm)
     python -m bench.memory --peer-run           # whole-process peak RSS of `peer.run --max-steps 1`, all vs 1/4
 
-One step = the project's `model.model.lm_loss` forward, backward, `peer.train.release_freed_memory`, grad
-clipping, the project's AdamW (`peer.optim.build_optimizer`) step and `zero_grad(set_to_none=True)`, like
-`peer.train.Trainer.train_step` with grad_accum 1, on CPU in fp32 (frozen experts stored in
-`model.frozen_expert_dtype`, bf16 by default).
+The model and optimizer are built as `peer.train.Trainer` builds them (then `release_freed_memory`). One step = the
+project's `model.model.lm_loss` forward, backward, grad clipping, the project's AdamW (`peer.optim.build_optimizer`)
+step and `zero_grad(set_to_none=True)`, like `peer.train.Trainer.train_step` with grad_accum 1, on CPU in fp32
+(frozen experts stored in `model.frozen_expert_dtype`, bf16 by default).
 Each arm runs in its own fresh subprocess, one after the other, so no arm sees another's memory.
 
 Memory is the process's resident set (RSS), read from the kernel: "peak RSS" is the exact high-water mark of
@@ -156,7 +156,6 @@ def run_step(model: "SpesMoE", optimizer: torch.optim.Optimizer, batch: torch.Te
              audit: "SavedTensorAudit | None" = None) -> dict[str, Any]:
     """One training step as in Trainer.train_step (grad_accum 1); returns phase peaks, sizes and times."""
     from model.model import lm_loss
-    from peer.train import release_freed_memory
 
     out: dict[str, Any] = {}
     start = time.perf_counter()
@@ -176,7 +175,6 @@ def run_step(model: "SpesMoE", optimizer: torch.optim.Optimizer, batch: torch.Te
     t0 = time.perf_counter()
     loss.backward()
     del loss
-    release_freed_memory(torch.device("cpu"))
     out["backward_s"] = time.perf_counter() - t0
     out["backward_peak"] = meter.stop()
     out["after_backward_rss"] = rss_bytes()
@@ -204,6 +202,7 @@ def run_arm(arm: str, shape: str, vocab: int | None, seq_len: int | None, batch_
     """Build the model for `arm`, run 1 warm-up + `timed_steps` steps, return every measurement."""
     from model.model import SpesMoE
     from peer.optim import build_optimizer
+    from peer.train import release_freed_memory
 
     threads = set_threads(threads)
     meter = PeakMeter()
@@ -222,6 +221,7 @@ def run_arm(arm: str, shape: str, vocab: int | None, seq_len: int | None, batch_
     t0 = time.perf_counter()
     model = SpesMoE(mcfg, owned_experts=owned, seed=cfg.train.seed)
     optimizer = build_optimizer(model, cfg.train)
+    release_freed_memory()  # as peer.train.Trainer does once it has built them
     build_s = time.perf_counter() - t0
     build_peak = meter.stop()
     if routing == "balanced":
@@ -308,7 +308,8 @@ def run_peer_process(arm: str, args: argparse.Namespace, run_dir: str) -> dict[s
     logger.info(f"running {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     with open(os.path.join(run_dir, "peer.log"), "w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(config_path(args.shape).parent.parent))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=str(config_path(args.shape).parent.parent))
         _, status, usage = os.wait4(proc.pid, 0)  # reaped here, not by Popen: its rusage is the child's own
         code = os.waitstatus_to_exitcode(status)
         log.seek(0)
@@ -355,9 +356,9 @@ def report(results: list[dict[str, Any]]) -> str:
     lines.append(format_table(["arm", "fwd peak", "bwd peak", "optim peak", "fwd s", "bwd s", "optim s",
                                "build s", "process wall s",
                                "CPU used by other processes"], rows))
-    lines += ["", "Where the peak goes (MiB, tensor sizes counted exactly). At the peak (the optimizer step) these "
-              "tensors are live; 'rest' = peak - live: transients plus freed memory (activations, temporaries) "
-              "that malloc keeps mapped. Saved activations are what autograd keeps for backward during the "
+    lines += ["", "Where the peak goes (MiB, tensor sizes counted exactly). At the peak (end of backward or the "
+              "optimizer step) these tensors are live; 'rest' = peak - live: transients plus freed memory "
+              "(activations, temporaries) that malloc keeps mapped. Saved activations are what autograd keeps for backward during the "
               "forward pass (freed by the optimizer step):", ""]
     rows = []
     for r in results:
@@ -418,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
             runs = [run_peer_process(arm, args, tempfile.mkdtemp(dir=tmp)) for arm in PEER_RUN_ARMS]
         base = runs[0]["peak_rss"]
-        print(f"bench.memory --peer-run: shape {args.shape}, `python -m peer.run --max-steps 1`, whole-process peak RSS\n")
+        print(f"bench.memory --peer-run: shape {args.shape}, `python -m peer.run --max-steps 1`, "
+              f"whole-process peak RSS\n")
         print(format_table(["arm", "owned experts", "peak RSS GiB", "mem ratio vs all", "process wall s"],
                            [[r["arm"], f"{r['owned']}/{r['num_experts']}", _gib(r["peak_rss"]),
                              f"{r['peak_rss'] / base:.3f}", f"{r['wall_s']:.1f}"] for r in runs]))

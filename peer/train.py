@@ -47,13 +47,15 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _load_malloc_trim()
 
 
-def release_freed_memory(device: torch.device) -> None:
-    """Hand the CPU allocator's freed pages back to the OS (glibc `malloc_trim`), after the backward pass.
+def release_freed_memory() -> None:
+    """Hand the CPU allocator's freed pages back to the OS (glibc `malloc_trim`): once, after the model is built.
 
-    On the CPU the activations freed by backward stay mapped in malloc's heap, and the optimizer step's peak sits
-    on top of them; returned first, a peer owning 4 of 16 experts peaks at the end of backward instead, 0.2-0.4 GiB
-    lower at the paper-1b shape (bench.memory). GPU memory has its own caching allocator: nothing to do there."""
-    if device.type == "cpu" and _malloc_trim is not None:
+    The build's temporaries (every expert is drawn in fp32, frozen ones then stored in bf16) can stay mapped in
+    malloc's heap, and the first optimizer step allocates AdamW's state on top of them: up to 0.7 GiB more peak at
+    the paper-1b shape, depending on the run (bench.memory). Not per step: handing back the activations freed by
+    each backward made the next forward fault them in again, +25-35 % step time on the small and tiny shapes.
+    The model is built on the CPU whatever the device, so this holds for a GPU peer's host memory too."""
+    if _malloc_trim is not None:
         _malloc_trim(0)
 
 
@@ -169,7 +171,8 @@ class Trainer:
         self.expert_kernel = self.model.use_expert_kernel(self.device)
         if cfg.train.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
-        self.optimizer = build_optimizer(self.model, cfg.train, fused=self.deferred_readback)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        release_freed_memory()
         # The ownership the optimizer's parameters follow: the swarm changes the model's (adoption, hand-back)
         # and the optimizer catches up before the next step (_follow_ownership).
         self._optimizer_owned = self.model.owned_experts
@@ -332,7 +335,6 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / tcfg.grad_accum
             # A K-process peer trains K such batches per micro-step (SPEC 3a: it counts all of them).
             self.tokens += batch.shape[0] * (batch.shape[1] - 1) * self.world_size
-        release_freed_memory(self.device)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.ranks is not None:
             # In the model's order, the same on every rank (the optimizer's follows this rank's ownership history;

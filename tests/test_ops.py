@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -61,6 +62,25 @@ def wait_for(path: Path, pattern: str, procs: list[subprocess.Popen], timeout: f
     raise AssertionError(f"no {pattern!r} within {timeout}s in {path}:\n{path.read_text()[-3000:]}")
 
 
+def wait_round(run_dir: Path, applied: Callable[[dict], bool], procs: list[subprocess.Popen],
+               timeout: float) -> dict:
+    """The first round in `run_dir`'s rounds.jsonl (one structured line per applied round) that `applied` accepts."""
+    path = run_dir / "rounds.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # being written
+            if applied(record):
+                return record
+        assert all(p.poll() is None for p in procs), f"a process exited early; rounds so far:\n{path.read_text()}"
+        time.sleep(0.2)
+    raise AssertionError(f"no such round within {timeout}s in {path}:\n"
+                         f"{path.read_text()[-3000:] if path.exists() else '(none)'}")
+
+
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -99,8 +119,8 @@ def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path, 
                 "--set", "train.checkpoint_every=100000", "--set", "train.log_every=1"), peer_logs[-1]))
         survivor, leaver = peers
         # Both have aggregated each other's contributions (so each has seen the other's experts owned) before one leaves.
-        for log in peer_logs:
-            wait_for(log, r"round \d+ applied at step \d+: shared group 2", procs, 180)
+        for i in range(2):
+            wait_round(tmp_path / f"peer{i}", lambda r: r["contributions"] == 2, procs, 180)
         children = descendants(leaver.pid)
         assert len(children) >= 2, children  # at least the DHT process and its p2pd
         left_at = time.time()
@@ -116,11 +136,9 @@ def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path, 
             time.sleep(0.2)
         assert not alive(children), f"left behind: {alive(children)}"
         # The survivor adopts experts 2 and 3 from the withdrawn record, well before the record could have expired.
-        match = wait_for(peer_logs[0], r"adopting experts \[2, 3\]", [survivor], RECORD_TTL / 2)
-        adopted_after = time.time() - left_at
-        assert adopted_after < RECORD_TTL / 2, adopted_after
+        adoption = wait_round(tmp_path / "peer0", lambda r: r["adopted"] == [2, 3], [survivor], RECORD_TTL / 2)
+        assert adoption["time"] - left_at < RECORD_TTL / 2, adoption
         wait_for(tmp_path / "peer0" / "metrics.jsonl", r'"owned_experts": \[0, 1, 2, 3\]', [survivor], 60)
-        assert match
         # With the leaver's AdamW moments, served while it left and checked against AdamW's bound on loading.
         assert "handed the optimizer moments of experts [2, 3]" in text, text[-3000:]
         wait_for(peer_logs[0], r"took over the optimizer state \(AdamW moments\) of experts \[2, 3\]", [survivor], 30)
@@ -164,7 +182,7 @@ def test_ctrl_c_in_a_terminal_stops_the_peer_cleanly(tmp_path, processes):
             "--set", f"sync.record_ttl={RECORD_TTL}", "--set", "train.eval_every=0",
             "--set", "train.checkpoint_every=100000"), log_path)
         procs.append(peer)
-        wait_for(log_path, r"round 1 applied", procs, 180)
+        wait_round(tmp_path / "run", lambda r: True, procs, 180)
         children = descendants(peer.pid)
         daemons = [pid for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd"]
         assert daemons and all(os.getpgid(pid) != peer.pid for pid in daemons)  # out of the terminal's reach
