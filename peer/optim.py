@@ -22,11 +22,10 @@ def _is_decayed(name: str, param: nn.Parameter) -> bool:
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with a decayed group (matrices) and a non-decayed group (vectors), trainable params only.
 
-    torch's fused AdamW, on the CPU as on a GPU: one kernel per tensor, no full-size temporaries at the step's peak
-    (the per-tensor loop's `sqrt` and division made two copies of the largest tensor: +0.19 GiB at the paper-1b
-    shape) and about 3x faster on the CPU; on a GPU it can also skip a step on the device (`found_inf`, see
-    peer/train.py) so the loop need not read the loss back every step. Its `step` counts live on the parameters'
-    device."""
+    torch's fused AdamW, on the CPU as on a GPU: one kernel per tensor, so no full-size temporaries at the step's peak
+    (the per-tensor loop's `sqrt` and division copy the largest tensor twice) and faster on the CPU (bench.memory);
+    on a GPU it can also skip a step on the device (`found_inf`, see peer/train.py) so the loop need not read the
+    loss back every step. Its `step` counts live on the parameters' device."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:

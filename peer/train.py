@@ -51,9 +51,8 @@ def release_freed_memory() -> None:
     """Hand the CPU allocator's freed pages back to the OS (glibc `malloc_trim`): once, after the model is built.
 
     The build's temporaries (every expert is drawn in fp32, frozen ones then stored in bf16) can stay mapped in
-    malloc's heap, and the first optimizer step allocates AdamW's state on top of them: up to 0.7 GiB more peak at
-    the paper-1b shape, depending on the run (bench.memory). Not per step: handing back the activations freed by
-    each backward made the next forward fault them in again, +25-35 % step time on the small and tiny shapes.
+    malloc's heap, and the first optimizer step would allocate AdamW's state on top of them (bench.memory). Not per
+    step: the next forward would fault the handed-back activation pages in again, which small models feel most.
     The model is built on the CPU whatever the device, so this holds for a GPU peer's host memory too."""
     if _malloc_trim is not None:
         _malloc_trim(0)
