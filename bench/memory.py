@@ -26,8 +26,8 @@ import argparse
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 import types
 from typing import TYPE_CHECKING, Any, Iterable
@@ -358,8 +358,8 @@ def report(results: list[dict[str, Any]]) -> str:
                                "CPU used by other processes"], rows))
     lines += ["", "Where the peak goes (MiB, tensor sizes counted exactly). At the peak (end of backward or the "
               "optimizer step) these tensors are live; 'rest' = peak - live: transients plus freed memory "
-              "(activations, temporaries) that malloc keeps mapped. Saved activations are what autograd keeps for backward during the "
-              "forward pass (freed by the optimizer step):", ""]
+              "(activations, temporaries) that malloc keeps mapped. Saved activations are what autograd keeps for "
+              "backward during the forward pass (freed by the optimizer step):", ""]
     rows = []
     for r in results:
         s = r["steps"][-1]

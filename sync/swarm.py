@@ -384,7 +384,8 @@ class Swarm:
     def reachable(self) -> bool:
         """Can this peer reach the run at all? True if one of the initial peers answers a ping now (bounded by
         sync.reach.PING_TIMEOUT); always True without initial peers (the run's first node: nothing to be cut off
-        from). Asked when no other peer, or no other owner's contribution, is visible: alone or cut off? (sync.rounds)"""
+        from). Asked when no other peer, or no other owner's contribution, is visible: alone or cut off?
+        (sync.rounds)"""
         if not self.initial_peers:
             return True
         try:

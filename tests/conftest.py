@@ -3,6 +3,7 @@ in-process swarm launcher (`swarm_factory`: real DHTs and SparseSyncs on 127.0.0
 test) that the sync tests share."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -45,6 +46,19 @@ def offline_env(tmp_path_factory: pytest.TempPathFactory):
 
 def peer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "peer.run", *args]
+
+
+def applied_rounds(run_dir: Path) -> list[dict]:
+    """The rounds a `peer.run` applied so far, from its run dir's rounds.jsonl (peer/node.py `_log_round`); a line
+    still being written is skipped."""
+    path = run_dir / "rounds.jsonl"
+    found = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
 
 
 # ---- in-process swarm ------------------------------------------------------------------------------------

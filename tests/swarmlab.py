@@ -6,13 +6,13 @@ slower machine is (a cgroup CPU limit, no code of ours involved).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from tests.conftest import applied_rounds
 from tests.netlab import NetLab, Node, NsProcess
 
 RUN_ID = "netlab"
@@ -41,18 +41,10 @@ class Round:
 
 
 def rounds(proc: NsProcess) -> list[Round]:
-    """The rounds `proc` (a `spes_peer`) applied so far; a line still being written is skipped."""
-    path = Path(proc.argv[proc.argv.index("--run-dir") + 1]) / "rounds.jsonl"
-    found = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        found.append(Round(r["time"], r["round"], r["step"], r["contributions"], len(r["experts_synced"]),
-                           r["missing"], r["adopted"], r["given_back"], r["redownloaded"], r["seconds"],
-                           r["blocked_s"]))
-    return found
+    """The rounds `proc` (a `spes_peer`) applied so far."""
+    return [Round(r["time"], r["round"], r["step"], r["contributions"], len(r["experts_synced"]), r["missing"],
+                  r["adopted"], r["given_back"], r["redownloaded"], r["seconds"], r["blocked_s"])
+            for r in applied_rounds(Path(proc.argv[proc.argv.index("--run-dir") + 1]))]
 
 
 def start_bootstrap(lab: NetLab, node: Node, num_experts: int, *flags: str) -> tuple[NsProcess, str]:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import peer_cmd
+from tests.conftest import applied_rounds, peer_cmd
 
 RECORD_TTL = 60.0  # long, so that expiry cannot explain the adoption
 
@@ -64,21 +64,15 @@ def wait_for(path: Path, pattern: str, procs: list[subprocess.Popen], timeout: f
 
 def wait_round(run_dir: Path, applied: Callable[[dict], bool], procs: list[subprocess.Popen],
                timeout: float) -> dict:
-    """The first round in `run_dir`'s rounds.jsonl (one structured line per applied round) that `applied` accepts."""
-    path = run_dir / "rounds.jsonl"
+    """The first round in `run_dir`'s rounds.jsonl that `applied` accepts."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # being written
-            if applied(record):
-                return record
-        assert all(p.poll() is None for p in procs), f"a process exited early; rounds so far:\n{path.read_text()}"
+        found = [r for r in applied_rounds(run_dir) if applied(r)]
+        if found:
+            return found[0]
+        assert all(p.poll() is None for p in procs), f"a process exited early; rounds: {applied_rounds(run_dir)}"
         time.sleep(0.2)
-    raise AssertionError(f"no such round within {timeout}s in {path}:\n"
-                         f"{path.read_text()[-3000:] if path.exists() else '(none)'}")
+    raise AssertionError(f"no such round within {timeout}s in {run_dir}: {applied_rounds(run_dir)}")
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
