@@ -44,6 +44,12 @@ def offline_env(tmp_path_factory: pytest.TempPathFactory):
     os.environ.update(saved)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The end-to-end process runs first (stable order otherwise): the longest jobs first keep the two xdist workers
+    busy to the end instead of leaving one with a long test after the other ran out."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def peer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "peer.run", *args]
 

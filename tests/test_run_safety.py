@@ -326,7 +326,7 @@ def test_soak_bench_smoke(tmp_path):
     import sys
 
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "1.5", "--kill-every", "0.45",
+    proc = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "1.4", "--kill-every", "0.3",
                            "--peers", "3", "--every", "10", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stderr[-3000:]
