@@ -4,6 +4,7 @@
     python -m bench.memory --shape tiny         # seconds: smoke run of the same code
     python -m bench.memory --arm owned_quarter  # one arm in this process (what the driver runs per arm)
     python -m bench.memory --peer-run           # whole-process peak RSS of `peer.run --max-steps 1`, all vs 1/4
+    python -m bench.memory --peer-run --repeat 3  # the same, each arm 3 times (interleaved): median and range
 
 The model and optimizer are built as `peer.train.Trainer` builds them (then `release_freed_memory`). One step = the
 project's `model.model.lm_loss` forward, backward, grad clipping, the project's AdamW (`peer.optim.build_optimizer`)
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -293,13 +295,16 @@ def run_arm_subprocess(arm: str, args: argparse.Namespace) -> dict[str, Any]:
 PEER_RUN_ARMS = {"all_owned": "all", "owned_quarter": "quarter"}
 
 
-def run_peer_process(arm: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
+def run_peer_process(arm: str, args: argparse.Namespace, run_dir: str, identity: str) -> dict[str, Any]:
     """One `python -m peer.run --max-steps 1` (a lone peer: DHT, data, model, one step, the sync state it keeps
-    for its rounds); returns the whole process's peak RSS (`ru_maxrss` of the child, exact)."""
+    for its rounds); returns the whole process's peak RSS (`ru_maxrss` of the child, exact). Every run gets the
+    same `identity` file: a peer's data order derives from its peer ID, and the experts its first batch routes to
+    are the ones that get AdamW state in that step, so a random ID moved the all-owned peak by GiBs."""
     cfg = build_config(args.shape, args.vocab or None, args.seq_len or None, None)
     owned = owned_experts(PEER_RUN_ARMS[arm], cfg.model.num_experts)
     cmd = [sys.executable, "-m", "peer.run", "--config", str(config_path(args.shape)), "--tokenizer", "builtin",
            "--max-steps", "1", "--experts", ",".join(map(str, owned)), "--run-dir", run_dir,
+           "--identity-path", identity,
            "--set", f"model.vocab_size={cfg.model.vocab_size}", "--set", f"model.seq_len={cfg.model.seq_len}",
            "--set", f"train.batch_size={args.batch}", "--set", "train.grad_accum=1",
            "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0"]
@@ -402,8 +407,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-run", action="store_true",
                         help="instead of the arms: whole-process peak RSS of `python -m peer.run --max-steps 1` "
                              "owning all experts vs a quarter (a lone peer with its DHT, data and sync state)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="--peer-run: run the arms N times, interleaved, and report medians and ranges (the "
+                             "all-owned peer's peak varies by GiBs from run to run; default 1)")
     parser.add_argument("--json", metavar="FILE", help="also write all results as JSON to FILE")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    return args
+
+
+def peer_run_table(runs: list[dict[str, Any]]) -> str:
+    """One row per arm: median and range of its peak RSS over the repeats, and the median of the per-repeat
+    ratios (each quarter run against the all-owned run of the same repeat)."""
+    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in PEER_RUN_ARMS}
+    base = by_arm["all_owned"]
+    rows = []
+    for arm, arm_runs in by_arm.items():
+        rss = [r["peak_rss"] for r in arm_runs]
+        ratios = [r["peak_rss"] / b["peak_rss"] for r, b in zip(arm_runs, base)]
+        rows.append([arm, f"{arm_runs[0]['owned']}/{arm_runs[0]['num_experts']}", _gib(statistics.median(rss)),
+                     f"{_gib(min(rss))}-{_gib(max(rss))}", f"{statistics.median(ratios):.3f}",
+                     ", ".join(f"{x:.3f}" for x in ratios),
+                     f"{statistics.median(r['wall_s'] for r in arm_runs):.1f}"])
+    return format_table(["arm", "owned experts", "peak RSS GiB", "range GiB", "mem ratio vs all",
+                         "ratio per repeat", "process wall s"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,13 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.peer_run:
         with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
-            runs = [run_peer_process(arm, args, tempfile.mkdtemp(dir=tmp)) for arm in PEER_RUN_ARMS]
-        base = runs[0]["peak_rss"]
+            identity = os.path.join(tmp, "peer.key")
+            runs = [run_peer_process(arm, args, tempfile.mkdtemp(dir=tmp), identity)
+                    for _ in range(args.repeat) for arm in PEER_RUN_ARMS]
         print(f"bench.memory --peer-run: shape {args.shape}, `python -m peer.run --max-steps 1`, "
-              f"whole-process peak RSS\n")
-        print(format_table(["arm", "owned experts", "peak RSS GiB", "mem ratio vs all", "process wall s"],
-                           [[r["arm"], f"{r['owned']}/{r['num_experts']}", _gib(r["peak_rss"]),
-                             f"{r['peak_rss'] / base:.3f}", f"{r['wall_s']:.1f}"] for r in runs]))
+              f"whole-process peak RSS, {args.repeat} run(s) per arm\n")
+        print(peer_run_table(runs))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(runs, f, indent=1)

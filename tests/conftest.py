@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session", autouse=True)
 def offline_env(tmp_path_factory: pytest.TempPathFactory):
-    """No test may touch the network; caches live in a temp dir that subprocesses inherit too."""
+    """No test may touch the network; caches live in a temp dir that subprocesses inherit too, as does one compute
+    thread per process."""
     cache = tmp_path_factory.mktemp("cache")
     saved = dict(os.environ)
     os.environ.update({
@@ -38,8 +39,15 @@ def offline_env(tmp_path_factory: pytest.TempPathFactory):
         "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # One compute thread per process: a test runs several peers, and two xdist workers share the cores. With a
+        # thread per core each, OpenMP's threads spin against each other's and CPU goes to waiting, not work.
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
     })
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield cache
+    torch.set_num_threads(threads)
     os.environ.clear()
     os.environ.update(saved)
 

@@ -140,9 +140,10 @@ def test_closed_run_as_processes(tmp_path, processes):
             ticket.write_text(encode_signed(sign_ticket(key, "closed", peer_id_from_identity(identity, create=True), 1)))
             procs.append(processes.start(peer_cmd(*common, "--run-dir", str(tmp_path / name), "--identity-path",
                                                   identity, "--organizer-key", public, "--ticket", str(ticket),
-                                                  "--set", "sync.wait_for_peers=2", "--max-steps", "150"),
+                                                  "--set", "sync.wait_for_peers=2", "--max-steps", "20000"),
                                          log=tmp_path / f"{name}.log"))
-        # The stranger comes once a and b train (their ticketed records are in the DHT by then).
+        # The stranger comes once a and b train (their ticketed records are in the DHT by then). They train until
+        # stopped below: the stranger's start takes longer than 150 tiny steps, and it must find them live.
         deadline = time.time() + 120
         while not all("training on" in (tmp_path / f"{n}.log").read_text() for n in "ab"):
             assert time.time() < deadline and all(p.poll() is None for p in procs), "a and b did not start training"
