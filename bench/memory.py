@@ -298,8 +298,8 @@ PEER_RUN_ARMS = {"all_owned": "all", "owned_quarter": "quarter"}
 def run_peer_process(arm: str, args: argparse.Namespace, run_dir: str, identity: str) -> dict[str, Any]:
     """One `python -m peer.run --max-steps 1` (a lone peer: DHT, data, model, one step, the sync state it keeps
     for its rounds); returns the whole process's peak RSS (`ru_maxrss` of the child, exact). Every run gets the
-    same `identity` file: a peer's data order derives from its peer ID, and the experts its first batch routes to
-    are the ones that get AdamW state in that step, so a random ID moved the all-owned peak by GiBs."""
+    same `identity` file, so every run trains on the same first batch (a peer's data order derives from its peer
+    ID, and the experts that batch reaches are the ones that get AdamW state)."""
     cfg = build_config(args.shape, args.vocab or None, args.seq_len or None, None)
     owned = owned_experts(PEER_RUN_ARMS[arm], cfg.model.num_experts)
     cmd = [sys.executable, "-m", "peer.run", "--config", str(config_path(args.shape)), "--tokenizer", "builtin",
@@ -409,7 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "owning all experts vs a quarter (a lone peer with its DHT, data and sync state)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="--peer-run: run the arms N times, interleaved, and report medians and ranges (the "
-                             "all-owned peer's peak varies by GiBs from run to run; default 1)")
+                             "all-owned peer's peak varies by ~1 GiB from run to run; default 1)")
     parser.add_argument("--json", metavar="FILE", help="also write all results as JSON to FILE")
     args = parser.parse_args(argv)
     if args.repeat < 1:
