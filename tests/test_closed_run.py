@@ -143,7 +143,7 @@ def test_closed_run_as_processes(tmp_path, processes):
                                                   "--set", "sync.wait_for_peers=2", "--max-steps", "20000"),
                                          log=tmp_path / f"{name}.log"))
         # The stranger comes once a and b train (their ticketed records are in the DHT by then). They train until
-        # stopped below: the stranger's start takes longer than 150 tiny steps, and it must find them live.
+        # stopped below: the stranger must find them live however long its own start takes.
         deadline = time.time() + 120
         while not all("training on" in (tmp_path / f"{n}.log").read_text() for n in "ab"):
             assert time.time() < deadline and all(p.poll() is None for p in procs), "a and b did not start training"

@@ -10,8 +10,8 @@ from peer.simulate import SimConfig, Simulation, build_parser, format_rows
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sixteen_peers_with_churn_keep_coverage_and_agree():
-    # The announcement wait ends as soon as every live peer announced: 15 s only matters on a loaded machine (the
-    # suite's other worker), where 5 s let a peer aggregate before the last contributions were announced.
+    # The announcement wait ends as soon as every live peer announced; 15 s leaves room for a loaded machine (the
+    # suite's other worker) without slowing an idle one.
     cfg = SimConfig(peers=16, rounds=4, experts=8, churn=0.0625, report_every=2, matchmaking_time=15.0)
     with Simulation(cfg) as sim:
         rows = list(sim.run())
