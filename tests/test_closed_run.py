@@ -110,13 +110,12 @@ def test_closed_run_as_processes(tmp_path, processes):
     the initial peer's address: the admitted peers aggregate each other's contributions and exit 0; the stranger
     is told at start, in one line, that the run is closed and what to pass, and exits 2 (issue 34 item 2: it
     used to train alone, blocked half its time, refused by everyone without a word)."""
-    import json
     import re
     import signal
     import subprocess
 
     from sync.admission import encode_signed
-    from tests.conftest import REPO, peer_cmd
+    from tests.conftest import REPO, applied_rounds, peer_cmd
 
     key = str(tmp_path / "org.key")
     public = generate_organizer_key(key)
@@ -156,9 +155,7 @@ def test_closed_run_as_processes(tmp_path, processes):
         # Once each admitted peer aggregated the other's contribution they are stopped (SIGTERM: a clean leave,
         # exit 0) instead of running out their steps.
         def groups(name: str) -> list[int]:
-            path = tmp_path / name / "rounds.jsonl"
-            lines = path.read_text().splitlines() if path.exists() else []
-            return [json.loads(line)["contributions"] for line in lines if line.endswith("}")]
+            return [r["contributions"] for r in applied_rounds(tmp_path / name)]
 
         deadline = time.time() + 240
         while not all(2 in groups(n) for n in "ab") and time.time() < deadline and all(p.poll() is None for p in procs):
