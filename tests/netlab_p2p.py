@@ -148,6 +148,9 @@ async def source_handler(_: StreamInfo, reader: asyncio.StreamReader, writer: as
             writer.write(piece)
             await writer.drain()
             sent += len(piece)
+        # drain() only hands bytes to the local daemon, and closing the stream can reset it with bytes still in
+        # flight: close only once the puller, having read everything, closed its side (EOF here).
+        await asyncio.wait_for(reader.read(), 30)
     finally:
         writer.close()
 
