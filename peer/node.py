@@ -82,6 +82,7 @@ class PeerNode:
         self.relay_keeper: RelayKeeper | None = None
         self.sync: SparseSync | None = None
         self.blocked_seconds = 0.0
+        self.moments_taken_over: set[int] = set()  # experts whose AdamW moments came from their previous owner
         self._started = time.perf_counter()
         self._tokens_at_round, self._step_at_round = 0, 0
         data_seed = None
@@ -156,6 +157,7 @@ class PeerNode:
                 self.rejects.add("norm")
                 logger.warning(f"refused the optimizer moments received for expert {expert}: {problem}")
         self.sync.handed_over.clear()
+        self.moments_taken_over.update(taken)
         if taken:
             logger.info(f"[{trainer.log_prefix}] took over the optimizer state (AdamW moments) of experts {taken} "
                         f"from the peers that trained them")
@@ -282,7 +284,7 @@ class PeerNode:
                 "held_steps": self.sync.held_steps,
                 "relay_reservations": self.relay_keeper.held_count() if self.relay_keeper is not None else 0,
                 "divergent_rounds": self.sync.divergent_rounds, "synced_digest": self.sync.synced_digest,
-                "unserved_claims": self.sync.unserved_claims}
+                "unserved_claims": self.sync.unserved_claims, "moments_taken_over": sorted(self.moments_taken_over)}
 
     def _update_metrics(self, trainer: Trainer) -> None:
         """After every step: cheap reads only (the live-peer count is refreshed on its own thread)."""

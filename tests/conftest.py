@@ -62,10 +62,9 @@ def peer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "peer.run", *args]
 
 
-def applied_rounds(run_dir: Path) -> list[dict]:
-    """The rounds a `peer.run` applied so far, from its run dir's rounds.jsonl (peer/node.py `_log_round`); a line
-    still being written is skipped."""
-    path = run_dir / "rounds.jsonl"
+def jsonl_records(path: Path) -> list[dict]:
+    """The JSON records of a run dir's .jsonl file (metrics.jsonl, rounds.jsonl) so far; a line still being
+    written is skipped."""
     found = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -73,6 +72,11 @@ def applied_rounds(run_dir: Path) -> list[dict]:
         except ValueError:
             continue
     return found
+
+
+def applied_rounds(run_dir: Path) -> list[dict]:
+    """The rounds a `peer.run` applied so far, from its run dir's rounds.jsonl (peer/node.py `_log_round`)."""
+    return jsonl_records(run_dir / "rounds.jsonl")
 
 
 # ---- in-process swarm ------------------------------------------------------------------------------------
