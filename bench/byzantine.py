@@ -4,6 +4,7 @@
     python -m bench.byzantine --quick --attacks c_scale --baselines reference
     python -m bench.byzantine --attacks round,tombstone,expert,silent   # the record / expert-exchange attacks
     python -m bench.byzantine --attacks d_junk,d_records,d_ghosts --baselines reference --steps 200   # floods
+    python -m bench.byzantine --closed --attacks d_records --baselines reference --steps 200   # in a closed run
 
 Each arm starts a `dht_bootstrap` node for the arm's run on 127.0.0.1 (it validates records as a real one does),
 three honest `python -m peer.run` peers (experts
@@ -27,7 +28,9 @@ Writes results.json and table.md into --out; arm logs and run dirs go to --work-
 Every peer of every arm, honest and attacker alike, runs the contribution protocol with `sync.compression: sparse`
 (SYNC_OVERRIDE; the aggregate is always the robust one, so there is no plain-averaging arm). The default attacks
 are the contribution attacks of bench/adversary.py (c_*); its record and expert-exchange attacks (round,
-tombstone, expert, silent) run when named in --attacks.
+tombstone, expert, silent) run when named in --attacks. With `--closed` every arm is a closed run: an organizer
+key made for the bench, a ticket for each honest identity, the bootstrap node and the honest peers given the key;
+the attacker gets no ticket (a stranger, as Sybils of an open run would be).
 """
 from __future__ import annotations
 
@@ -113,11 +116,12 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def _start_bootstrap(log_path: Path, run_id: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+def _start_bootstrap(log_path: Path, run_id: str, env: dict[str, str],
+                     flags: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """The project's bootstrap node for the arm's run (it validates the run's records, as a real one does);
     returns it and its multiaddr."""
     proc = _popen([sys.executable, "-m", "dht_bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                   "--run-id", run_id, "--num-experts", "8", "--status-every", "5"], log_path, env)
+                   "--run-id", run_id, "--num-experts", "8", "--status-every", "5", *flags], log_path, env)
     return proc, await_address(proc, log_path, r"initial peer: (\S+)", "dht_bootstrap")
 
 
@@ -167,7 +171,22 @@ def honest_identities(folder: Path, count: int = 4) -> list[Path]:
     return paths
 
 
-def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identities: list[Path]) -> dict[str, Any]:
+def closed_run_flags(folder: Path, run_id: str, identities: list[Path]) -> tuple[list[str], list[list[str]]]:
+    """`--closed`: an organizer key in `folder` and a ticket per identity for `run_id`; returns the bootstrap
+    node's extra flags and each honest peer's."""
+    from sync.admission import encode_signed, generate_organizer_key, peer_id_from_identity, sign_ticket
+    key = folder / "organizer.key"
+    public = generate_organizer_key(str(key))
+    peers = []
+    for i, identity in enumerate(identities):
+        ticket = folder / f"honest{i}.ticket"
+        ticket.write_text(encode_signed(sign_ticket(str(key), run_id, peer_id_from_identity(str(identity)), 1)))
+        peers.append(["--organizer-key", public, "--ticket", str(ticket)])
+    return ["--organizer-key", public], peers
+
+
+def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identities: list[Path],
+            closed: bool = False) -> dict[str, Any]:
     arm_dir = work / arm.name
     shutil.rmtree(arm_dir, ignore_errors=True)
     arm_dir.mkdir(parents=True)
@@ -176,7 +195,8 @@ def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identi
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     experts = HONEST_EXPERTS + [FOURTH_EXPERTS]
     run_id = arm_config(arm, steps, every)["run_id"]
-    bootstrap, maddr = _start_bootstrap(arm_dir / "bootstrap.log", run_id, env)
+    boot_flags, peer_flags = closed_run_flags(arm_dir, run_id, identities) if closed else ([], [[]] * len(identities))
+    bootstrap, maddr = _start_bootstrap(arm_dir / "bootstrap.log", run_id, env, boot_flags)
     procs: list[subprocess.Popen] = []
     attacker = sampler = None
     started = time.time()
@@ -185,7 +205,8 @@ def run_arm(arm: Arm, steps: int, every: int, work: Path, timeout: float, identi
             procs.append(_popen([sys.executable, "-m", "peer.run", "--config", str(cfg_path), "--initial-peers", maddr,
                                  "--run-dir", str(arm_dir / f"peer{i}"), "--experts", experts[i],
                                  "--identity-path", str(identities[i]),
-                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], arm_dir / f"peer{i}.log", env))
+                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *peer_flags[i]],
+                                arm_dir / f"peer{i}.log", env))
         if arm.attack:
             attacker = _popen([sys.executable, "-m", "bench.adversary", "--attack", arm.attack,
                                "--initial-peers", maddr, "--config", str(cfg_path), "--wait-peers", str(arm.honest),
@@ -338,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/byzantine", help="where results.json and table.md go")
     p.add_argument("--work-dir", default="bench/out/byzantine", help="where each arm's logs and run dirs go")
     p.add_argument("--identities", help="folder of the honest peers' identity keys (default: WORK_DIR/identities)")
+    p.add_argument("--closed", action="store_true", help="every arm a closed run: tickets for the honest peers only")
     p.add_argument("--arm-timeout", type=float, default=600, help="seconds before an arm's peers are killed")
     args = p.parse_args(argv)
     setup_logging()
@@ -359,15 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for arm in arms:
         logger.info(f"arm {arm.name}: {arm.honest} honest peer(s){' + attacker ' + arm.attack if arm.attack else ''}")
-        results.append(run_arm(arm, steps, every, work.resolve(), args.arm_timeout, identities))
+        results.append(run_arm(arm, steps, every, work.resolve(), args.arm_timeout, identities, args.closed))
         r = results[-1]
         logger.info(f"arm {arm.name} done in {r['wall_s']:.0f}s: loss {_fmt(r['eval_loss'])}, "
                     f"crashed {r['honest_crashed']}/{r['honest']}")
         (out / "results.json").write_text(json.dumps({"build": build, "sync": SYNC_OVERRIDE["sync"], "steps": steps,
-                                                      "every": every, "arms": results}, indent=1))
+                                                      "every": every, "closed": args.closed, "arms": results},
+                                                     indent=1))
     codec = f"sync.compression: {SYNC_OVERRIDE['sync']['compression']}"
-    header = (f"build {build or 'unknown'}, {codec}: {steps} steps, H = {every}, configs/tiny.yaml with 8 experts, "
-              f"honest experts {', '.join(HONEST_EXPERTS)} (+ {FOURTH_EXPERTS} in the 4-peer arms)")
+    closed = ", a closed run (the attacker without a ticket)" if args.closed else ""
+    header = (f"build {build or 'unknown'}, {codec}{closed}: {steps} steps, H = {every}, configs/tiny.yaml with "
+              f"8 experts, honest experts {', '.join(HONEST_EXPERTS)} (+ {FOURTH_EXPERTS} in the 4-peer arms)")
     text = tables(results)
     (out / "table.md").write_text(f"{header}\n\n{text}\n")
     sys.stdout.write(f"{header}\n{text}\n")

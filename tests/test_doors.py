@@ -14,6 +14,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 import sync.records as records
+from sync.admission import Admission, generate_organizer_key, load_organizer_public_key, sign_ticket
 from sync.peer_record import PeerRecord, twin_started_first
 from sync.records import RunRecordValidator, peer_id_of_public_key, peers_key
 from sync.validate import RejectCounter
@@ -56,6 +57,28 @@ def test_a_costly_key_is_refused_before_its_signature_is_checked(monkeypatch):
     small_key = _signed(rsa.generate_private_key(public_exponent=65537, key_size=1024), PAYLOAD)
     assert not validator.validate(small_key)
     assert rejects.counts()["record"] == 2
+
+
+@pytest.mark.unit
+def test_a_closed_run_refuses_a_stranger_s_record_before_its_rsa_signature_is_checked(tmp_path, monkeypatch):
+    key_path = str(tmp_path / "org.key")
+    admission = Admission(load_organizer_public_key(generate_organizer_key(key_path)), RUN)
+    validator = RunRecordValidator(RUN, num_experts=4, admission=admission)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    der = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    stranger = _signed(key, PAYLOAD)
+    ticket = sign_ticket(key_path, RUN, peer_id_of_public_key(der).to_base58(), 1)
+    ticketed = _signed(key, {**PAYLOAD, "ticket": ticket})
+    signed_messages: list[bytes] = []  # what the RSA verification is asked to check
+    message = RunRecordValidator._signed_message
+
+    def counting(record, payload):
+        signed_messages.append(record.subkey)
+        return message(record, payload)
+
+    monkeypatch.setattr(RunRecordValidator, "_signed_message", staticmethod(counting))
+    assert not validator.validate(stranger) and not signed_messages  # no ticket: no RSA work
+    assert validator.validate(ticketed) and len(signed_messages) == 1
 
 
 @pytest.mark.unit
