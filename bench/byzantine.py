@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -117,7 +117,7 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def _start_bootstrap(log_path: Path, run_id: str, env: dict[str, str],
-                     flags: list[str] = ()) -> tuple[subprocess.Popen, str]:
+                     flags: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
     """The project's bootstrap node for the arm's run (it validates the run's records, as a real one does);
     returns it and its multiaddr."""
     proc = _popen([sys.executable, "-m", "dht_bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",

@@ -20,6 +20,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 from bench.common import format_table, logger, setup_logging
 
@@ -58,8 +59,8 @@ def read_ms(flood: int, reads: int, closed: bool = False) -> tuple[int, float]:
     from hivemind.utils import get_dht_time
 
     import bench.adversary_doors as doors
-    from sync.admission import Admission, generate_organizer_key, load_organizer_public_key, peer_id_from_identity, \
-        sign_ticket
+    from sync.admission import (Admission, generate_organizer_key, load_organizer_public_key, peer_id_from_identity,
+                                sign_ticket)
     from sync.records import peers_key
     from sync.swarm import Swarm, start_dht
 
@@ -92,7 +93,8 @@ def read_ms(flood: int, reads: int, closed: bool = False) -> tuple[int, float]:
                 node.shutdown()
 
 
-def _timed_reads(swarms: list, attacker, flood: int, reads: int, store_flood) -> tuple[int, float]:
+def _timed_reads(swarms: list, attacker: Any, flood: int, reads: int, store_flood: Callable) -> tuple[int, float]:
+    """Publish the honest records and (with `flood`) the attacker's, then time `reads` reads of honest peer 1."""
     for swarm in swarms:
         swarm.publish(experts=[0], round=1)
     if flood:

@@ -233,3 +233,26 @@ def test_byzantine_bench_smoke(tmp_path):
     assert arm["attacker"]["contrib_rounds"] >= 1, arm["attacker"]
     assert all(p["step"] > 0 for p in arm["peers"]), arm["peers"]
     assert "| c_scale" in (out / "table.md").read_text() and "| c_scale" in proc.stdout
+
+
+@pytest.mark.unit
+def test_closed_bench_arms_ticket_the_honest_identities_only(tmp_path):
+    """`bench.byzantine --closed`: every honest identity gets a ticket for the arm's run that the run's admission
+    accepts; the bootstrap node gets the organizer key (the attacker, started without flags, has no ticket)."""
+    from hivemind.p2p import P2P
+
+    from bench.byzantine import closed_run_flags
+    from sync.admission import Admission, load_organizer_public_key, peer_id_from_identity, read_signed
+
+    identities = []
+    for i in range(2):
+        identities.append(tmp_path / f"honest{i}.key")
+        P2P.generate_identity(str(identities[-1]))
+    boot, peers = closed_run_flags(tmp_path, "byz-run", identities)
+    assert boot[0] == "--organizer-key" and all(flags[1] == boot[1] for flags in peers)
+    admission = Admission(load_organizer_public_key(boot[1]), "byz-run")
+    for identity, flags in zip(identities, peers):
+        ticket = read_signed(flags[3])
+        assert admission.ticket_valid(peer_id_from_identity(str(identity)), ticket)
+        assert not Admission(admission.organizer_public_key, "another-run").ticket_valid(
+            peer_id_from_identity(str(identity)), ticket)
