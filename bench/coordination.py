@@ -91,26 +91,24 @@ def record_copy_bytes() -> int:
 
 def coordination_row(peers: int, record_bytes: int, dht: DhtParams, sched: Schedule) -> dict[str, float]:
     """Per-peer, per-round coordination of today's protocol with `peers` peers (each runs one DHT node)."""
-    others = peers - 1
-    holders = min(others + 1, dht.num_replicas + dht.cache_nearest)  # nodes answering a read with the record set
-    asked = min(others, dht.bucket_size + math.ceil(math.log2(max(peers, 2))))  # the beam plus the hops to it
+    holders = min(peers, dht.num_replicas + dht.cache_nearest)  # nodes answering a read with every record
+    asked = min(peers - 1, dht.bucket_size + math.ceil(math.log2(max(peers, 2))))  # the beam plus the hops to it
     reads = sched.interval_s / sched.progress_poll_s + sched.wait_s / sched.wait_poll_s + 1
     stores = sched.interval_s / sched.heartbeat_s + 1
     read_kb = holders * peers * record_bytes / 1000
-    kb = reads * read_kb + stores * min(others + 1, dht.num_replicas) * record_bytes / 1000
-    # Each node holding the key answers every full read of every other peer with the whole record set.
-    served_kb = others * reads * peers * record_bytes / 1000
-    return {"peers": peers, "records_per_read": peers, "kb_per_read": read_kb, "reads": reads,
-            "kb": kb, "requests": reads * asked + stores * min(others, dht.num_replicas),
-            "served_kb": served_kb}
+    return {"peers": peers, "kb_per_read": read_kb, "reads": reads,
+            "kb": reads * read_kb + stores * min(peers, dht.num_replicas) * record_bytes / 1000,
+            "requests": reads * asked + stores * min(peers - 1, dht.num_replicas),
+            # Each node holding the key answers every full read of every other peer with the whole record set.
+            "served_kb": (peers - 1) * reads * peers * record_bytes / 1000}
 
 
 def table(rows: Sequence[dict[str, float]]) -> str:
     return format_table(
-        ["peers", "records per read", "KB per read", "reads per round", "coordination KB/peer/round",
+        ["peers (= records per read)", "KB per read", "reads per round", "coordination KB/peer/round",
          "DHT requests/peer/round", "KB a record holder serves per round", "÷ goal (10 KB)"],
-        [[r["peers"], r["records_per_read"], f"{r['kb_per_read']:.0f}", f"{r['reads']:.0f}", f"{r['kb']:,.0f}",
-          f"{r['requests']:,.0f}", f"{r['served_kb']:,.0f}", f"{r['kb'] / GOAL_KB:,.0f}x"] for r in rows])
+        [[r["peers"], f"{r['kb_per_read']:.0f}", f"{r['reads']:.0f}", f"{r['kb']:,.0f}", f"{r['requests']:,.0f}",
+          f"{r['served_kb']:,.0f}", f"{r['kb'] / GOAL_KB:,.0f}x"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
