@@ -1,26 +1,29 @@
-"""Per-peer coordination traffic of today's round protocol per round, from 8 to 1,000 peers (issue "Many peers").
+"""Per-peer coordination traffic of the round protocol per round, from 8 to 1,000 peers (issue "Many peers").
 
     python -m bench.coordination                           # the default sync settings, H = 100 steps of 1 s
     python -m bench.coordination --interval 30 --peers 8 64 1000
 
 Coordination is what a peer sends and receives to learn about the others (DHT reads and stores of the run's peer
-records), not the contribution blobs (bench.contrib_bytes). Every input is measured here or read from the code
-that sets it:
+records), not the contribution blobs (bench.contrib_bytes). Two builds side by side: `7466c65` (hivemind's DHT
+defaults) and this one (sync.dht: READ_BEAM, STORE_BEAM, no caching at the nearest nodes). Every input is
+measured here or read from the code that sets it:
 
 - bytes per record copy: a peer record as a round leaves it (contrib, prev, synced, due, origin, settings
   fingerprint, 4 experts) signed by a fresh 2048-bit RSA identity (`RunRecordValidator.sign_value`), with its
-  subkey and expiration, msgpack-framed as hivemind's DHT sends it.
+  subkey and expiration, msgpack-framed as hivemind's DHT sends it; bytes of a find answer's neighbour list
+  (`bucket_size` node and peer IDs, hivemind's own protobuf).
 - reads per round: the progress reader every `min(1, matchmaking_time / 4)` s over the round interval
-  (sync/rounds.py), the announcement wait's reads every 0.2 s for `--wait` seconds (sync/contributions.py) and
-  the round start's read.
-- stores per round: the heartbeat every `record_ttl / 3` s plus one at the round's announcement.
-- hivemind's DHT (its own defaults, read from hivemind.dht.node.DHTNode.create): every record of the run lives
-  under one key; a full read (`latest=True`, as `Swarm.peers`) asks every node of its beam (`bucket_size`) and
-  each node holding the key (`num_replicas`, + `cache_nearest` caches) answers with every live record; a store
-  goes to `num_replicas` nodes.
+  (sync/progress.py), the announcement wait's reads every 0.2 s for `--wait` seconds (sync/contributions.py) and
+  the round start's read. Stores per round: the heartbeat every `record_ttl / 3` s plus the announcement.
+- what a request costs (hivemind.dht.node): every record of the run lives under one key, and every node a
+  request visits that holds the key answers with all of its records. A read (`latest=True`) visits the
+  `beam_size` nearest nodes it finds: 20 by default, READ_BEAM here. A store first visits the nodes nearest the
+  key (beam 20 by default, STORE_BEAM here), each answering like a read, then stores on `num_replicas`. With
+  `cache_nearest` 1 (hivemind's default) every read that found a fresher dictionary stores all of it on one more
+  node, so over time every visited node holds the key: peer.simulate measured it (bench/README.md).
 
-The rows are a model (the formula in `coordination_row`), not a swarm run: peer.simulate measures reads per round
-at up to 32 peers on this machine. What the model leaves out (DHT routing upkeep, hops beyond the beam) only adds.
+The rows are a model (the formula in `coordination_row`), checked against peer.simulate's measured DHT bytes at 8
+and 16 peers (bench/results/coordination/NOTES.md). What it leaves out (routing upkeep, retries) only adds.
 """
 from __future__ import annotations
 
@@ -44,6 +47,17 @@ class DhtParams:
 
 
 @dataclass(frozen=True)
+class Requests:
+    """How many nodes a read and a store visit (each holding the key answers with every record), and how many
+    nodes a record is stored on."""
+
+    name: str
+    read_visits: int
+    store_visits: int
+    replicas: int
+
+
+@dataclass(frozen=True)
 class Schedule:
     interval_s: float     # wall time between two rounds' starts (H steps x step time)
     progress_poll_s: float
@@ -53,10 +67,30 @@ class Schedule:
 
 
 def hivemind_dht_params() -> DhtParams:
-    """hivemind's defaults for the DHT node every peer runs (sync/dht.py passes none of these)."""
+    """hivemind's defaults for a DHT node (DHTNode.create)."""
     from hivemind.dht.node import DHTNode
     defaults = {name: p.default for name, p in inspect.signature(DHTNode.create).parameters.items()}
     return DhtParams(defaults["bucket_size"], defaults["num_replicas"], defaults["cache_nearest"])
+
+
+def builds() -> tuple[Requests, Requests]:
+    """(7466c65: hivemind's defaults, this build: sync.dht's bounds)."""
+    from sync.dht import NUM_REPLICAS, READ_BEAM, STORE_BEAM
+    dht = hivemind_dht_params()
+    return (Requests("7466c65", dht.bucket_size, dht.bucket_size, dht.num_replicas),
+            Requests("this build", READ_BEAM, STORE_BEAM, NUM_REPLICAS))
+
+
+def neighbours_bytes() -> int:
+    """Bytes of the neighbour list in every find answer: `bucket_size` node and peer IDs (hivemind's protobuf)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+
+    peer = PeerID.from_base58("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN")  # an RSA identity's ID
+    k = hivemind_dht_params().bucket_size
+    return dht_pb2.FindResult(type=dht_pb2.NOT_FOUND, nearest_node_ids=[DHTID.generate().to_bytes()] * k,
+                              nearest_peer_ids=[peer.to_bytes()] * k).ByteSize()
 
 
 def record_copy_bytes() -> int:
@@ -89,26 +123,40 @@ def record_copy_bytes() -> int:
     return len(MSGPackSerializer.dumps([subkey, value, now + 30]))
 
 
-def coordination_row(peers: int, record_bytes: int, dht: DhtParams, sched: Schedule) -> dict[str, float]:
-    """Per-peer, per-round coordination of today's protocol with `peers` peers (each runs one DHT node)."""
-    holders = min(peers, dht.num_replicas + dht.cache_nearest)  # nodes answering a read with every record
-    asked = min(peers - 1, dht.bucket_size + math.ceil(math.log2(max(peers, 2))))  # the beam plus the hops to it
-    reads = sched.interval_s / sched.progress_poll_s + sched.wait_s / sched.wait_poll_s + 1
-    stores = sched.interval_s / sched.heartbeat_s + 1
-    read_kb = holders * peers * record_bytes / 1000
-    return {"peers": peers, "kb_per_read": read_kb, "reads": reads,
-            "kb": reads * read_kb + stores * min(peers, dht.num_replicas) * record_bytes / 1000,
-            "requests": reads * asked + stores * min(peers - 1, dht.num_replicas),
-            # Each node holding the key answers every full read of every other peer with the whole record set.
-            "served_kb": (peers - 1) * reads * peers * record_bytes / 1000}
+def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Requests, sched: Schedule,
+                     bucket_size: int = 20, reads: float | None = None,
+                     stores: float | None = None) -> dict[str, float]:
+    """Per-peer, per-round coordination with `peers` peers (each runs one DHT node) under `req`'s request sizes;
+    `reads` / `stores` per round: as measured (peer.simulate), else from `sched`."""
+    # Lookup steps towards the key's nearest nodes (answering with neighbours only): none while the routing table
+    # holds every node, then about one per halving of the distance.
+    hops = max(0, math.ceil(math.log2(peers / bucket_size)))
+    read_answers, store_answers = (min(peers - 1, n) for n in (req.read_visits, req.store_visits))
+    replicas = min(peers - 1, req.replicas)
+    if reads is None:
+        reads = sched.interval_s / sched.progress_poll_s + sched.wait_s / sched.wait_poll_s + 1
+    if stores is None:
+        stores = sched.interval_s / sched.heartbeat_s + 1
+    all_records = peers * record_bytes
+    finds = reads * (read_answers + hops) + stores * (store_answers + hops)
+    neighbour_list = neighbours * min(bucket_size, peers - 1) / bucket_size  # a node names the ones it knows
+    kb = (reads * read_answers * all_records + stores * (store_answers * all_records + replicas * record_bytes)
+          + finds * neighbour_list) / 1000
+    return {"peers": peers, "kb_per_read": read_answers * all_records / 1000, "reads": reads, "kb": kb,
+            "requests": finds + stores * replicas,
+            # Each node holding the key answers every other peer's requests that visit it with the whole set.
+            "served_kb": (peers - 1) * (reads + stores) * all_records / 1000}
 
 
-def table(rows: Sequence[dict[str, float]]) -> str:
+def table(rows: Sequence[tuple[dict[str, float], dict[str, float]]], names: tuple[str, str]) -> str:
+    a, b = names
     return format_table(
-        ["peers (= records per read)", "KB per read", "reads per round", "coordination KB/peer/round",
-         "DHT requests/peer/round", "KB a record holder serves per round", "÷ goal (10 KB)"],
-        [[r["peers"], f"{r['kb_per_read']:.0f}", f"{r['reads']:.0f}", f"{r['kb']:,.0f}", f"{r['requests']:,.0f}",
-          f"{r['served_kb']:,.0f}", f"{r['kb'] / GOAL_KB:,.0f}x"] for r in rows])
+        ["peers (= records per read)", "reads per round", f"KB per read, {a} / {b}",
+         f"coordination KB/peer/round, {a}", "this build", "÷", f"DHT requests/peer/round, {a} / {b}",
+         "KB a record holder serves per round", "this build ÷ goal (10 KB)"],
+        [[o["peers"], f"{o['reads']:.0f}", f"{o['kb_per_read']:,.0f} / {n['kb_per_read']:,.0f}", f"{o['kb']:,.0f}",
+          f"{n['kb']:,.0f}", f"{o['kb'] / n['kb']:.1f}x", f"{o['requests']:,.0f} / {n['requests']:,.0f}",
+          f"{n['served_kb']:,.0f}", f"{n['kb'] / GOAL_KB:,.0f}x"] for o, n in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,17 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=float(defaults.every),
                    help="seconds between rounds (default: sync.every steps of 1 s)")
     p.add_argument("--wait", type=float, default=1.0, help="seconds the announcement wait polls per round")
+    p.add_argument("--reads", type=float, help="record reads per peer per round, e.g. as peer.simulate measured")
+    p.add_argument("--stores", type=float, help="record stores per peer per round, e.g. as peer.simulate measured")
     args = p.parse_args(argv)
-    if min(args.peers) < 1 or args.interval <= 0 or args.wait < 0:
-        p.error("--peers >= 1, --interval > 0 and --wait >= 0")
+    if min(args.peers) < 2 or args.interval <= 0 or args.wait < 0 or min(args.reads or 0, args.stores or 0) < 0:
+        p.error("--peers >= 2, --interval > 0, --wait, --reads and --stores >= 0")
     setup_logging()
     sched = Schedule(args.interval, min(1.0, defaults.matchmaking_time / 4), args.wait, 0.2, defaults.record_ttl / 3)
-    dht, record_bytes = hivemind_dht_params(), record_copy_bytes()
-    rows = [coordination_row(n, record_bytes, dht, sched) for n in args.peers]
-    sys.stdout.write(f"record copy {record_bytes} B; hivemind DHT bucket_size {dht.bucket_size}, num_replicas "
-                     f"{dht.num_replicas}, cache_nearest {dht.cache_nearest}; round every {args.interval:g} s, "
-                     f"progress poll {sched.progress_poll_s:g} s, announcement wait {args.wait:g} s\n"
-                     + table(rows) + "\n")
+    record_bytes, neighbours, (old, new) = record_copy_bytes(), neighbours_bytes(), builds()
+    k = hivemind_dht_params().bucket_size
+    rows = [tuple(coordination_row(n, record_bytes, neighbours, req, sched, k, args.reads, args.stores)
+                  for req in (old, new)) for n in args.peers]
+    sys.stdout.write(f"record copy {record_bytes} B, neighbour list {neighbours} B; a read visits {old.read_visits} / "
+                     f"{new.read_visits} nodes, a store {old.store_visits} / {new.store_visits} and stores on "
+                     f"{new.replicas} ({old.name} / {new.name}); round every {args.interval:g} s, progress poll "
+                     f"{sched.progress_poll_s:g} s, announcement wait {args.wait:g} s"
+                     + (f"; reads {args.reads:g} per round" if args.reads is not None else "")
+                     + (f"; stores {args.stores:g} per round" if args.stores is not None else "") + "\n"
+                     + table(rows, (old.name, new.name)) + "\n")
     return 0
 
 

@@ -137,8 +137,11 @@ class PeerNode:
                 self.trainer.add_callback(MetricsCallback(self))
                 self._update_metrics(self.trainer)
                 if self.swarm is not None:
-                    swarm = self.swarm
-                    self.metrics.start_peer_refresh(lambda: len(swarm.peers()))
+                    swarm, progress = self.swarm, self.sync.progress if self.sync is not None else None
+                    # The records' background reader's view when it runs (a read of its own would carry every
+                    # record once more every 5 s, docs/DESIGN.md "DHT records"), else a read.
+                    self.metrics.start_peer_refresh(
+                        lambda: (progress.peer_count() if progress is not None else None) or len(swarm.peers()))
         except BaseException:
             self.shutdown()
             raise

@@ -5,14 +5,17 @@
 N peers, each with its own hivemind DHT node and p2pd on 127.0.0.1, a tiny model (configs/tiny.yaml, `--experts`
 experts) and the real round code (sync.rounds.SparseSync: contributions, aggregation, ownership, repair), run
 rounds of synthetic training: before each round every peer moves its shared tensors and the experts it owns by a
-direction common to all peers plus one of its own (what a few local steps do, without data or backward passes).
+direction common to all peers plus one of its own (what a few local steps do, without data or backward passes);
+`--interval S` spreads that over S seconds of 10 steps (rounds S apart, as in a run, not back to back).
 The first N peers own ceil(2E / N) experts each, in turn; with `--churn f`, after each round f x N live peers
 leave cleanly and as many fresh ones join with `--experts auto` (Swarm.choose_auto).
 
 Every `--report-every` rounds a table row: live peers, experts covered (min / max owners), rounds completed,
-contributions aggregated per peer, round seconds, bytes sent + received and DHT record reads / stores per peer per
-round, records per read, and how many different synchronized states the peers that completed the same round hold
-(1: no divergence). `--out DIR` writes simulate.json and simulate.png (`pip install -e ".[plot]"`) there.
+contributions aggregated per peer, round seconds; per peer per round (round start to round start): blob bytes
+sent + received, DHT record reads / stores and records per read, and the DHT requests its node sent with their
+bytes both ways (sync.hivemind_private.count_dht_rpcs); and how many different synchronized states the peers
+that completed the same round hold (1: no divergence). `--out DIR` writes simulate.json and simulate.png
+(`pip install -e ".[plot]"`) there.
 Peers, DHT nodes and p2pd daemons are all shut down on exit, also on Ctrl-C.
 """
 from __future__ import annotations
@@ -41,6 +44,7 @@ PROG = "python -m peer.simulate"
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN_ID = "spes-simulate"
+STEPS = 10  # local steps per round (sync.every) that --interval is cut into
 
 
 @dataclass
@@ -56,6 +60,7 @@ class SimConfig:
     compression: str = "sparse"    # sync.compression of every peer
     round_timeout: float = 30.0
     matchmaking_time: float = 5.0
+    interval: float = 0.0          # seconds of (simulated) training between rounds, in 10 steps; 0: back to back
 
     def check(self) -> None:
         if self.peers < 2:
@@ -66,6 +71,8 @@ class SimConfig:
             raise ValueError(f"--experts must be >= 1, got {self.experts}")
         if not 0.0 <= self.churn < 1.0:
             raise ValueError(f"--churn must be in [0, 1), got {self.churn}")
+        if self.interval < 0:
+            raise ValueError(f"--interval must be >= 0, got {self.interval}")
 
 
 @dataclass
@@ -79,6 +86,7 @@ class SimPeer:
     reads: int = 0
     stores: int = 0
     records_read: int = 0
+    rpc: dict[str, int] = field(default_factory=dict)  # the DHT node's requests and bytes (hivemind_private)
     rounds: list[dict[str, Any]] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -89,8 +97,12 @@ class SimPeer:
 
 
 def _count_requests(peer: SimPeer) -> None:
-    """Count the peer's DHT reads and stores (wrapping the public methods of its own hivemind.DHT instance)."""
+    """Count the peer's DHT reads and stores (wrapping the public methods of its own hivemind.DHT instance), and
+    every request its DHT node sends with the bytes both ways (sync.hivemind_private.count_dht_rpcs)."""
+    from sync.hivemind_private import count_dht_rpcs
+
     dht = peer.swarm.dht
+    count_dht_rpcs(dht)
     get, store = dht.get, dht.store
 
     def counted_get(key, *args, **kwargs):
@@ -118,7 +130,7 @@ class Simulation:
         self.cfg = cfg
         tiny = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["model"]
         self.model_cfg = ModelConfig(**{**tiny, "num_experts": cfg.experts})
-        self.sync_cfg = SyncConfig(every=1, compression=cfg.compression, round_timeout=cfg.round_timeout,
+        self.sync_cfg = SyncConfig(every=STEPS, compression=cfg.compression, round_timeout=cfg.round_timeout,
                                    matchmaking_time=cfg.matchmaking_time, record_ttl=10.0)
         self.per_peer = min(cfg.experts, math.ceil(2 * cfg.experts / cfg.peers))
         self.rng = random.Random(cfg.seed)
@@ -182,11 +194,30 @@ class Simulation:
                 p.add_(0.002 * torch.randn(p.shape, generator=common).to(p.dtype)
                        + 0.0006 * torch.randn(p.shape, generator=own).to(p.dtype))
 
+    @staticmethod
+    def _rpc(peer: SimPeer) -> dict[str, int]:
+        from sync.hivemind_private import dht_rpc_counts
+        try:
+            return dht_rpc_counts(peer.swarm.dht)
+        except Exception:  # a DHT process gone (the peer shut down): nothing more to count
+            return {}
+
+    def _steps(self) -> None:
+        """--interval: the round's local steps in wall time, each peer told of every step as the training loop
+        tells it (its step time and when it reaches the round's boundary: sync.schedule, sync.progress)."""
+        for step in range(1, STEPS + 1):
+            time.sleep(self.cfg.interval / STEPS)
+            for peer in self.peers:
+                peer.sync.note_step(step)
+
     def round(self, index: int) -> dict[str, Any]:
-        """One round on every live peer (concurrent network parts, as separate machines would run them)."""
-        self._train(index)
+        """One round on every live peer (concurrent network parts, as separate machines would run them), after
+        --interval seconds of training; what a peer sends and reads is counted over both."""
         before = {id(p): (sum(p.sync.bytes_sent().values()) + sum(p.sync.bytes_received().values()), p.reads,
-                          p.stores, p.records_read) for p in self.peers}
+                          p.stores, p.records_read, self._rpc(p)) for p in self.peers}
+        self._train(index)
+        if self.cfg.interval > 0:
+            self._steps()
         started = time.monotonic()
         # All at once, as separate machines would: one after the other, the first peers' announcement wait
         # (matchmaking_time) ran out before the last ones had published, and they aggregated fewer contributions.
@@ -197,9 +228,12 @@ class Simulation:
         wall = time.monotonic() - started
         stats = []
         for peer, report in zip(self.peers, reports):
-            b, r, s, rr = before[id(peer)]
+            b, r, s, rr, rpc0 = before[id(peer)]
             now_bytes = sum(peer.sync.bytes_sent().values()) + sum(peer.sync.bytes_received().values())
-            stats.append({"round_id": report.round_id if report else None, "group": report.group_size if report else 0,
+            rpc = self._rpc(peer)
+            delta = {k: rpc.get(k, 0) - rpc0.get(k, 0) for k in ("requests", "sent", "received")}
+            stats.append({"dht_requests": delta["requests"], "dht_bytes": delta["sent"] + delta["received"],
+                          "round_id": report.round_id if report else None, "group": report.group_size if report else 0,
                           "seconds": report.seconds if report else None, "bytes": now_bytes - b,
                           "reads": peer.reads - r, "stores": peer.stores - s, "records": peer.records_read - rr,
                           "digest": peer.sync.synced_digest})
@@ -262,6 +296,8 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
             "round_s": statistics.median(seconds) if seconds else None,
             "kb_per_peer_round": statistics.fmean(s["bytes"] for s in stats) / 1e3,
             "reads_per_peer_round": statistics.fmean(s["reads"] for s in stats),
+            "dht_kb_per_peer_round": statistics.fmean(s["dht_bytes"] for s in stats) / 1e3,
+            "dht_requests_per_peer_round": statistics.fmean(s["dht_requests"] for s in stats),
             "stores_per_peer_round": statistics.fmean(s["stores"] for s in stats),
             "records_per_read": (sum(s["records"] for s in stats) / max(1, sum(s["reads"] for s in stats))),
             "distinct_states": max(distinct)}
@@ -271,7 +307,8 @@ HEAD = [("rounds", "rounds", "d"), ("live", "live", "d"), ("left", "left", "d"),
         ("covered", "covered", "d"), ("min_owners", "min owners", "d"), ("max_owners", "max owners", "d"),
         ("group", "group", ".1f"), ("round_s", "round s", ".2f"), ("kb_per_peer_round", "KB/peer/round", ".1f"),
         ("reads_per_peer_round", "reads/peer/round", ".1f"), ("stores_per_peer_round", "stores/peer/round", ".1f"),
-        ("records_per_read", "records/read", ".1f"), ("distinct_states", "states", "d")]
+        ("records_per_read", "records/read", ".1f"), ("dht_kb_per_peer_round", "DHT KB/peer/round", ".1f"),
+        ("dht_requests_per_peer_round", "DHT requests/peer/round", ".0f"), ("distinct_states", "states", "d")]
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -316,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--churn", type=float, default=d.churn,
                    help="fraction of the live peers that leave after each round, as many join (default 0)")
     p.add_argument("--report-every", type=int, default=d.report_every, help="rounds per table row")
+    p.add_argument("--interval", type=float, default=d.interval,
+                   help="seconds of training between rounds, in 10 steps (default 0: rounds back to back)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--compression", default=d.compression, help="sync.compression of every peer")
     p.add_argument("--out", metavar="DIR", help="write simulate.json and simulate.png here")
@@ -328,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     cfg = SimConfig(peers=args.peers, rounds=args.rounds, experts=args.experts, churn=args.churn,
-                    report_every=args.report_every, seed=args.seed, compression=args.compression)
+                    report_every=args.report_every, seed=args.seed, compression=args.compression,
+                    interval=args.interval)
     try:
         cfg.check()
     except ValueError as e:

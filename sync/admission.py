@@ -377,13 +377,15 @@ def publish_revocation(dht: "hivemind.DHT", run_id: str, peer_id: str, revocatio
     True if the run's DHT holds it afterwards. Re-publish before it expires if the peer's tickets live longer.
     """
     from hivemind.utils import get_dht_time
+
+    from sync.dht import read_latest, store_record
     key, revocation = f"{run_id}_revoked", bytes(revocation)
     try:
-        if dht.store(key, subkey=str(peer_id), value=revocation, expiration_time=get_dht_time() + ttl_days * _DAY):
+        if store_record(dht, key, str(peer_id), revocation, get_dht_time() + ttl_days * _DAY):
             return True
         # hivemind reports the answer of the last replica only, so one node that refused it (or already had it)
         # hides the others' success: read it back instead.
-        found = dht.get(key, latest=True)
+        found = read_latest(dht, key)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         return getattr(entries.get(str(peer_id)), "value", None) == revocation
     except Exception as e:  # a DHT that is down or refuses: the caller reports the failure
@@ -471,10 +473,11 @@ class Gate:
                 del self._inflight[slot]
 
     async def _read(self) -> None:
+        from sync.dht import read_latest
         run_id = self.admission.run_id
         try:
-            peers_future = self.dht.get(f"{run_id}_peers", latest=True, return_future=True)
-            revoked_future = self.dht.get(f"{run_id}_revoked", latest=True, return_future=True)
+            peers_future = read_latest(self.dht, f"{run_id}_peers", return_future=True)
+            revoked_future = read_latest(self.dht, f"{run_id}_revoked", return_future=True)
             peers, revoked = await asyncio.wait_for(asyncio.gather(peers_future, revoked_future), self.read_timeout)
         except asyncio.CancelledError:
             raise

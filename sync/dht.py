@@ -29,6 +29,28 @@ logger = get_logger(__name__)
 # Seconds before the first retry to reach the initial peers; each next wait is twice as long.
 FIRST_JOIN_RETRY_S = 1.0
 
+# Every DHT request that touches a run key costs the whole record set: each node holding the key answers a find
+# with all of its records, and a store first finds the nodes nearest the key (docs/DESIGN.md, "DHT records").
+# hivemind's defaults visit up to bucket_size (20) nodes for either; these bound it to what is used:
+NUM_REPLICAS = 5  # nodes a record is stored on (hivemind's default, set here so STORE_BEAM follows it)
+STORE_BEAM = NUM_REPLICAS  # a store visits the nodes it stores on
+# A read visits the two nodes nearest the key: one that missed a store (stores do not wait for the replicas) is
+# covered by the other, and the heartbeat stores every record again within ttl/3.
+READ_BEAM = 2
+
+
+def read_latest(dht: hivemind.DHT, key: str, return_future: bool = False) -> Any:
+    """The freshest value of a run key (a dictionary merged over the nodes visited), as `DHT.get(latest=True)`
+    returns it, from the READ_BEAM nodes nearest the key."""
+    return dht.get(key, latest=True, return_future=return_future, beam_size=READ_BEAM)
+
+
+def store_record(dht: hivemind.DHT, key: str, subkey: str, value: Any, expiration: float,
+                 return_future: bool = False) -> Any:
+    """`DHT.store` of one subkey of a run key on the NUM_REPLICAS nodes nearest it (STORE_BEAM)."""
+    return dht.store(key, subkey=subkey, value=value, expiration_time=expiration, return_future=return_future,
+                     beam_size=STORE_BEAM)
+
 
 class SwarmError(RuntimeError):
     """Could not start or join the swarm; the message names the cause (bad multiaddr, unreachable peer, ...)."""
@@ -111,8 +133,10 @@ def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str]
     `identity_path` gets a fresh identity file, removed once the daemon has read it. `num_experts` 0 accepts
     any expert index up to 2**16 (a bootstrap node may not know the model).
     """
+    # No caching at the nodes nearest a key after a read: hivemind would store every record set a read found
+    # fresher on one more node (a whole O(N) copy uploaded per read), which then answers every later read too.
     kwargs: dict[str, Any] = {"initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs), "start": True,
-                              **p2p_options}
+                              "cache_nearest": 0, "num_replicas": NUM_REPLICAS, **p2p_options}
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     temp_dir = None

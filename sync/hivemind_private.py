@@ -1,6 +1,7 @@
 """Every use of hivemind's (and its p2pd client's) private names, in one place: what this project needs from
 hivemind 1.1.12 that it does not expose publicly. hivemind is pinned (setup.cfg), and a change there breaks here
-first. No subclass of hivemind's averaging classes and no runtime patch of it exists in this project.
+first. No subclass of hivemind's averaging classes exists in this project; the one runtime wrapper is
+`count_dht_rpcs`, a measurement that peer.simulate installs (no peer run does).
 
 - `listen_maddr`: the DHT process's p2pd control address, to start a private `P2P.replicate` on another event loop
   (what `DHT.replicate_p2p` itself asks; its cached replica is bound to one loop).
@@ -8,6 +9,8 @@ first. No subclass of hivemind's averaging classes and no runtime patch of it ex
 - `daemon_connect` / `daemon_disconnect` / `daemon_stream_open`: p2pd's own connect, disconnect and stream
   open (hivemind's P2P does not offer them): dialing a peer by ID or address (sync/reach.py), a libp2p circuit
   relay reservation over a raw protocol stream (sync/relay.py).
+- `count_dht_rpcs` / `dht_rpc_counts`: wrap the DHT process's `P2P.call_protobuf_handler` (every DHT request a
+  node makes: find, store, ping) to count requests and their protobuf bytes both ways (peer.simulate).
 """
 from __future__ import annotations
 
@@ -43,3 +46,37 @@ async def daemon_stream_open(p2p: P2P, peer: PeerID, protocols: Sequence[str]) -
                                                                                         asyncio.StreamWriter]:
     """A raw stream to `peer` on one of `protocols`: (stream info, reader, writer)."""
     return await p2p._client.stream_open(peer, list(protocols))
+
+
+async def _install_rpc_counter(_dht: hivemind.DHT, node: Any) -> None:
+    p2p = node.protocol.p2p
+    if getattr(p2p, "_spes_rpc_counts", None) is not None:
+        return
+    counts = p2p._spes_rpc_counts = {"requests": 0, "sent": 0, "received": 0}
+    call = p2p.call_protobuf_handler
+
+    async def counted(peer: PeerID, name: str, request: Any, response_type: Any) -> Any:
+        kind = name.rsplit(".", 1)[-1]  # rpc_find, rpc_store, rpc_ping: also counted apart
+        sent = request.ByteSize()
+        response = await call(peer, name, request, response_type)
+        for key, add in (("requests", 1), ("sent", sent), ("received", response.ByteSize())):
+            counts[key] += add
+            counts[f"{kind} {key}"] = counts.get(f"{kind} {key}", 0) + add
+        return response
+
+    p2p.call_protobuf_handler = counted
+
+
+async def _read_rpc_counter(_dht: hivemind.DHT, node: Any) -> dict[str, int]:
+    return dict(getattr(node.protocol.p2p, "_spes_rpc_counts", None) or {})
+
+
+def count_dht_rpcs(dht: hivemind.DHT) -> None:
+    """From now on, count the DHT requests `dht`'s node makes and their bytes (blocking: asks the DHT process)."""
+    dht.run_coroutine(_install_rpc_counter)
+
+
+def dht_rpc_counts(dht: hivemind.DHT) -> dict[str, int]:
+    """{requests, sent, received} since `count_dht_rpcs` (bytes: the requests' and responses' protobuf sizes), and
+    the same per request kind ("rpc_find requests", ...)."""
+    return dht.run_coroutine(_read_rpc_counter)

@@ -1,9 +1,10 @@
 """Optimizer moments across a clean leave (docs/DESIGN.md, "Coverage"), a mixin of `sync.rounds.SparseSync`.
 
-A stopping peer first replaces its record by a tombstone listing the experts it `left` (Swarm.withdraw), then
-keeps its expert exchange open for at most `LEAVE_GRACE` seconds, until each left expert's AdamW moments went out
-once. The peers that stay read the records every second (sync.progress); the one that the adoption rule makes
-the expert's next owner (Swarm.orphans_to_adopt, the same rule its round will apply) fetches the leaver's
+A stopping peer first replaces its record by a tombstone listing the experts it `left` (Swarm.withdraw), pokes
+the peers its last view names as their likely adopters (`likely_adopters`: their readers read at once, even
+between rounds, when they read only every few seconds, sync.progress), then keeps its expert exchange open for at
+most `LEAVE_GRACE` seconds, until each left expert's AdamW moments went out once. The one that the adoption rule
+makes the expert's next owner (Swarm.orphans_to_adopt, the same rule its round will apply) fetches the leaver's
 moments at once, checks them like a join handoff (names, shapes, finite) and keeps them. When its round adopts
 the expert, they go to `handed_over`, which the training loop loads (peer/node.py checks them against what AdamW
 can produce); moments that arrive just after the adoption round are taken at the next one (`LATE_MOMENTS_S`).
@@ -20,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
-from sync.swarm import PeerRecord
+from sync.swarm import PeerRecord, adoption_rank
 
 logger = get_logger(__name__)
 
@@ -29,6 +30,22 @@ logger = get_logger(__name__)
 LEAVE_GRACE = 3.0
 KEEP_ROUNDS = 3
 LATE_MOMENTS_S = LEAVE_GRACE + 10.0  # an adopted expert's moments still arriving this long after its adoption
+
+
+POKED_PER_EXPERT = 2  # likely adopters poked per left expert: the first by the rule, and the next if it had no room
+
+
+def likely_adopters(records: dict[str, PeerRecord], left: Iterable[int], num_experts: int,
+                    per_expert: int = POKED_PER_EXPERT) -> set[str]:
+    """The peers (of `records`: the others, as the leaver last read them) the adoption rule most likely names
+    for the `left` experts that nobody else owns: the first `per_expert` with room by adoption_rank. A wrong guess
+    costs that peer one read; a missed adopter reads the tombstone at its next read and may start fresh moments."""
+    owned = set().union(*(r.experts for r in records.values())) if records else set()
+    room = [p for p, r in records.items() if r.room(num_experts) > 0 and not r.finished]
+    chosen: set[str] = set()
+    for expert in sorted(set(left) - owned):
+        chosen.update(sorted(room, key=lambda p: adoption_rank(p, expert))[:per_expert])
+    return chosen
 
 
 class LeaveHandoff:
@@ -126,6 +143,9 @@ class LeaveHandoff:
         except Exception as e:
             logger.warning(f"could not store the leave's tombstone: {e}")
             return
+        adopters = likely_adopters(self.progress.others(), experts, self.model.cfg.num_experts)
+        self.exchange.poke_leaving([PeerID.from_base58(p) for p in sorted(adopters)],
+                                   timeout=max(0.1, min(1.0, deadline - time.monotonic() - 0.5)))
         while time.monotonic() < deadline and not experts <= self.exchange.moments_served:
             time.sleep(0.1)
         served = sorted(experts & self.exchange.moments_served)

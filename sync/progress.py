@@ -9,12 +9,16 @@ its contribution's weight is those tokens (docs/DESIGN.md, "Heterogeneous peers"
 
 The median, not the max: one peer publishing a huge round cannot make the others start rounds every step
 (records are signed and bounded, sync.records, and a lone liar cannot move the median, sync.swarm.median_round).
+
+Every read carries every record (docs/DESIGN.md, "DHT records"), so the reader reads on the rounds' schedule
+(`reads_hot`): every `poll` seconds near and during a round, while another peer is ahead or due soon, and when
+woken (a leaving peer's poke, sync.leave); otherwise every `idle_poll` seconds.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from hivemind.utils.logging import get_logger
 
@@ -26,11 +30,32 @@ logger = get_logger(__name__)
 PARTIAL_READS_KEPT = 2  # (see SwarmProgress._loop)
 
 
+def reads_hot(now: float, round_id: int, boundary_at: float | None, others: Iterable[PeerRecord], lead: float,
+              in_round: bool) -> bool:
+    """Whether the records must be read every poll now (DHT time `now`): while a round runs, within `lead`
+    seconds of this peer's next round boundary (`boundary_at`; None: not estimated yet), and while another peer
+    is past this peer's round (it may have to follow, sync.schedule.round_due) or due within `lead` for a round
+    after it (start together). Otherwise nothing a read could show is acted on before the next idle read."""
+    if in_round or boundary_at is None or boundary_at - now < lead:
+        return True
+    for r in others:
+        if r.round > round_id or (r.due and r.due[0] > round_id and float(r.due[1]) - now < lead):
+            return True
+    return False
+
+
 class SwarmProgress:
     """Background reader of the run's peer records (one thread; every read bounded by the DHT's own timeouts)."""
 
-    def __init__(self, swarm: Swarm, poll: float = 1.0):
+    def __init__(self, swarm: Swarm, poll: float = 1.0, idle_poll: float | None = None):
         self.swarm, self.poll = swarm, poll
+        self.idle_poll = poll if idle_poll is None else max(poll, idle_poll)
+        # Set by the rounds (sync.rounds): True while reads are needed every poll (reads_hot); None: always.
+        self.hot: Callable[[], bool] | None = None
+        self._wake = threading.Event()
+        self._woken_at = 0.0
+        self.reads = 0  # reads this thread made (tests, peer.simulate)
+        self._own_read_at = -float("inf")  # monotonic time of this thread's last read
         self._records: dict[str, PeerRecord] = {}
         self._read_at = 0.0
         self._reads_without_others = 0  # consecutive complete reads showing no other group-joining peer
@@ -45,12 +70,39 @@ class SwarmProgress:
             self._thread = threading.Thread(target=self._loop, name="spes-progress", daemon=True)
             self._thread.start()
 
+    def wake(self) -> None:
+        """Read at once (a leaving peer's poke, sync.leave): at most once per poll, whoever asks."""
+        now = time.monotonic()
+        if now - self._woken_at >= self.poll:
+            self._woken_at = now
+            self._wake.set()
+
+    def read_due(self, now: float) -> bool:
+        """Whether this loop iteration reads (monotonic `now`; module docstring)."""
+        age = now - self._own_read_at
+        if self._wake.is_set():
+            self._wake.clear()
+            return True
+        if age < self.poll:
+            return False
+        try:
+            hot = self.hot is None or self.hot()
+        except Exception as e:  # a half-built round state: read, as without a schedule
+            logger.debug(f"reads_hot failed: {e!r}")
+            hot = True
+        return hot or age >= self.idle_poll
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 # Checked here too (not only in the heartbeat, every ttl/3): a peer whose link came back re-joins
                 # within a poll, so its very next round finds the others.
-                self.swarm.rejoin_if_cut_off()
+                rejoined = self.swarm.rejoin_if_cut_off()
+                if not (rejoined or self.read_due(time.monotonic())):
+                    self._wake.wait(self.poll)
+                    continue
+                self.reads += 1
+                self._own_read_at = time.monotonic()
                 records = self.swarm.peers()
                 self.offer(records)
                 me = self.swarm.peer_id
@@ -61,7 +113,7 @@ class SwarmProgress:
                         self.on_read(records)
             except Exception as e:  # a DHT that is restarting or partitioned: keep the last view, try again
                 logger.debug(f"reading peer records failed: {e!r}")
-            self._stop.wait(self.poll)
+            self._wake.wait(self.poll)
 
     def offer(self, records: dict[str, PeerRecord]) -> None:
         """Take a complete read of the records as the current view: this thread's own, or one the rounds made
@@ -89,6 +141,13 @@ class SwarmProgress:
             return {}
         return {p: r for p, r in self._records.items() if p != self.swarm.peer_id}
 
+    def peer_count(self) -> int | None:
+        """Live peers in the view, this one included; None while the reader does not run or its last read is
+        older than an idle poll plus a few seconds."""
+        if self._thread is None or time.monotonic() - self._read_at > self.idle_poll + 5:
+            return None
+        return len(set(self._records) | {self.swarm.peer_id})
+
     def nobody_else(self, reads: int, max_age: float) -> bool:
         """The last `reads` complete reads in a row (the latest within `max_age` seconds) showed no other peer
         that joins all-reduce groups. One read is not enough: a DHT read can come back with this peer's own
@@ -99,5 +158,6 @@ class SwarmProgress:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -114,7 +114,8 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         self._last_network: concurrent.futures.Future | None = None
         self._leaving = False  # set by leave_soon(): no new round, the pending one stops waiting for the others
         self._leave_at = math.inf  # monotonic time of leave_soon(): the pending round gets STOP_GRACE s from it
-        self.progress = SwarmProgress(swarm, poll=min(1.0, cfg.matchmaking_time / 4))
+        # Reads every poll near and during rounds, else as often as the heartbeat stores (sync/progress.py).
+        self.progress = SwarmProgress(swarm, poll=min(1.0, cfg.matchmaking_time / 4), idle_poll=cfg.record_ttl / 3)
         self._last_transfer_seconds, self._last_applied_at = 0.0, 0.0  # of the last applied round (round_due)
         self.ownership = Ownership(swarm, self.max_owned, model.owned_experts)
         # Optimizer moments of experts taken over at join or from a leaving peer, for the training loop to load
@@ -124,6 +125,8 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
         self._init_scheduling()
         self._init_contributions()
         self.progress.on_read = self._watch_leavers
+        self.progress.hot = self._reads_hot
+        self.exchange.on_leaving = self.progress.wake
 
     # ---- joining ------------------------------------------------------------------------------------------
 

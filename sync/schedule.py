@@ -32,6 +32,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.peer_record import proven_round
+from sync.progress import reads_hot
 
 logger = get_logger(__name__)
 
@@ -102,6 +103,14 @@ class Scheduling:
         self.held_rounds = 0
         self.held_steps = 0
         self._due_publisher = DuePublisher(self.swarm)
+        self._boundary_at: float | None = None  # DHT time this peer expects to reach its next round boundary
+
+    def _reads_hot(self) -> bool:
+        """(Progress reader thread.) Whether the records are read every poll now (sync.progress.reads_hot): within
+        matchmaking_time + 2 polls of a round's start."""
+        lead = self.cfg.matchmaking_time + 2 * self.progress.poll
+        return reads_hot(get_dht_time(), self.round_id, self._boundary_at, self.progress.others().values(), lead,
+                         in_round=self._pending is not None or self._leaving)
 
     def step_time(self) -> float | None:
         """Median seconds per local step over the last steps, None before there are a few."""
@@ -119,6 +128,8 @@ class Scheduling:
             self._step_intervals.append(now - self._last_step_at)
         self._last_step_at = now
         step_time = self.step_time()
+        if step_time is not None:
+            self._boundary_at = get_dht_time() + max(0, self.cfg.every - steps_since_round) * step_time
         if not self.cfg.start_together or step_time is None or self._leaving:
             return
         target = self.round_id + 1

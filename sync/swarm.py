@@ -26,6 +26,7 @@ from hivemind.utils.logging import get_logger
 
 from sync.records import peers_key, revoked_key
 from sync.peer_record import PeerRecord, median_round, process_origin, twin_started_first  # noqa: F401 (API)
+from sync.dht import read_latest, store_record
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
 from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs
 from sync.settings import (SETTINGS_LIFETIME, fingerprint, first_difference, is_settings, run_fingerprint,
@@ -131,8 +132,7 @@ class Swarm:
                 return  # the record under this peer ID is the other process's
             self._stored_expiration = max(self._stored_expiration, expiration)
         if not wait:  # the heartbeat stores it again within ttl / 3 if this one fails
-            self.dht.store(self.key, subkey=self.peer_id, value=value, expiration_time=expiration,
-                           return_future=True)
+            store_record(self.dht, self.key, self.peer_id, value, expiration, return_future=True)
             return
         try:
             self._store(value, expiration)
@@ -176,12 +176,12 @@ class Swarm:
         return self._store_at(self.key, self.peer_id, value, expiration, timeout)
 
     def _store_at(self, key: str, subkey: str, value: Any, expiration: float, timeout: float = 15.0) -> bool:
-        future = self.dht.store(key, subkey=subkey, value=value, expiration_time=expiration, return_future=True)
+        future = store_record(self.dht, key, subkey, value, expiration, return_future=True)
         return bool(future.result(timeout=timeout))
 
     def peers(self) -> dict[str, PeerRecord]:
         """Live peers' records (ours included once published)."""
-        found = self.dht.get(self.key, latest=True)
+        found = read_latest(self.dht, self.key)
         records: dict[str, PeerRecord] = {}
         if found is None or not isinstance(found.value, dict):
             return records
@@ -247,7 +247,7 @@ class Swarm:
     def _own_record(self) -> tuple[float, PeerRecord] | None:
         """(expiration, record) of the run's live record under this peer ID, None if there is none (or a
         withdrawn or finished one)."""
-        found = self.dht.get(self.key, latest=True)
+        found = read_latest(self.dht, self.key)
         item = found.value.get(self.peer_id) if found is not None and isinstance(found.value, dict) else None
         expiration = getattr(item, "expiration_time", None)
         if item is None or expiration is None or expiration < get_dht_time():
@@ -286,7 +286,7 @@ class Swarm:
 
     def revoked(self) -> set[str]:
         """Peer IDs the organizer revoked (closed runs; every DHT node checked the organizer's signature)."""
-        found = self.dht.get(revoked_key(self.run_id), latest=True)
+        found = read_latest(self.dht, revoked_key(self.run_id))
         if found is None or not isinstance(found.value, dict):
             return set()
         return {subkey for subkey in found.value if isinstance(subkey, str)}
@@ -448,7 +448,7 @@ class Swarm:
         run = run_fingerprint(r.cfg for r in others)
         if run is None:
             return None, None
-        found = self.dht.get(settings_key(self.run_id), latest=True)
+        found = read_latest(self.dht, settings_key(self.run_id))
         entry = found.value.get(run) if found is not None and isinstance(found.value, dict) else None
         settings = getattr(entry, "value", None)
         return run, settings if is_settings(settings) else None

@@ -99,6 +99,15 @@ class _ExpertServicer(ServicerBase):
             watchdog.cancel()
             exchange._give_slot(remote)
 
+    async def rpc_leaving(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertUID:
+        """A leaving peer's poke (sync/leave.py): read the records now, to see its tombstone and fetch the moments
+        of the experts this peer adopts while it still serves them. Ungated: all a poke does is make the reader
+        read, at most once per poll whoever sends it (sync.progress.SwarmProgress.wake)."""
+        if self.exchange.on_leaving is not None:
+            self.exchange.on_leaving()
+        return runtime_pb2.ExpertUID()
+
+
 class ExpertExchange(ExpertClient):
     """Serves this peer's published experts and fetches other peers' experts through one P2P handler.
 
@@ -137,6 +146,7 @@ class ExpertExchange(ExpertClient):
         # that round (sync/repair.py: a repairing peer needs every expert's value, its own ones included).
         self.synced_provider: Callable[[int, int], dict[str, torch.Tensor] | None] | None = None
         self.moments_served: set[int] = set()  # experts whose moments went out whole (a leaver's grace, sync/leave)
+        self.on_leaving: Callable[[], None] | None = None  # called on another peer's leave poke (rpc_leaving)
         self._codec = COMPRESSION_TYPES[compression]
         self._lock = threading.Lock()
         self._store: dict[int, dict[int, _Entry]] = {}
@@ -169,6 +179,25 @@ class ExpertExchange(ExpertClient):
         maddr = await asyncio.get_running_loop().run_in_executor(None, listen_maddr, dht)
         self._p2p = await P2P.replicate(maddr)
         await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
+
+    def poke_leaving(self, peers: list[PeerID], timeout: float = 1.0) -> int:
+        """Blocking, at most `timeout` s: tell `peers` that this peer is leaving (rpc_leaving); how many answered."""
+        async def poke(peer: PeerID) -> bool:
+            stub = self._servicer.get_stub(self._p2p, peer, namespace=self.namespace)
+            await stub.rpc_leaving(runtime_pb2.ExpertUID(), timeout=timeout)
+            return True
+
+        async def poke_all() -> int:
+            done = await asyncio.gather(*(asyncio.wait_for(poke(p), timeout) for p in peers), return_exceptions=True)
+            return sum(d is True for d in done)
+
+        if self._closed or not peers:
+            return 0
+        try:
+            return asyncio.run_coroutine_threadsafe(poke_all(), self._loop).result(timeout=timeout + 1.0)
+        except Exception as e:  # the loop is stopping: nobody was told, the adopters read on their own schedule
+            logger.debug(f"leave pokes failed: {e!r}")
+            return 0
 
     # ---- serving -------------------------------------------------------------------------------------------
 

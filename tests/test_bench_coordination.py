@@ -1,29 +1,42 @@
-"""bench.coordination's model of today's coordination traffic: what grows with the peer count and what does not,
-from a record measured as signed, and hivemind's DHT defaults read from hivemind."""
+"""bench.coordination's model of the coordination traffic: what grows with the peer count and what does not, how
+this build's request bounds (sync.dht) change it, from a record measured as signed and hivemind's DHT defaults."""
 from __future__ import annotations
 
 import pytest
 
-from bench.coordination import DhtParams, Schedule, coordination_row, hivemind_dht_params, main, record_copy_bytes
+from bench.coordination import (DhtParams, Requests, Schedule, builds, coordination_row, hivemind_dht_params, main,
+                                neighbours_bytes, record_copy_bytes)
 
-DHT = DhtParams(bucket_size=20, num_replicas=5, cache_nearest=1)
 SCHED = Schedule(interval_s=10.0, progress_poll_s=1.0, wait_s=1.0, wait_poll_s=0.2, heartbeat_s=10.0)
+OLD, NEW = Requests("old", 20, 20, 5), Requests("new", 2, 5, 5)
 
 
 @pytest.mark.unit
-def test_reads_carry_every_record_from_each_holder_and_holders_serve_everyone():
-    small, large = (coordination_row(n, 1000, DHT, SCHED) for n in (64, 1000))
+def test_every_visited_holder_answers_with_every_record():
+    small, large = (coordination_row(n, 1000, 0, OLD, SCHED) for n in (64, 1000))
     assert small["reads"] == large["reads"] == 10 + 5 + 1  # set by the schedule, not by N
-    assert small["kb_per_read"] == 6 * 64 and large["kb_per_read"] == 6 * 1000  # 5 replicas + 1 cache answer
+    assert small["kb_per_read"] == 20 * 64 and large["kb_per_read"] == 20 * 1000  # the beam's 20 nodes answer
     assert large["kb"] / small["kb"] == pytest.approx(1000 / 64, rel=0.01)  # linear in N per peer
     assert large["served_kb"] / small["served_kb"] == pytest.approx(999 * 1000 / (63 * 64), rel=1e-9)  # N^2
-    assert coordination_row(3, 1000, DHT, SCHED)["kb_per_read"] == 3 * 3  # every node holds the key
+    assert coordination_row(3, 1000, 0, OLD, SCHED)["kb_per_read"] == 2 * 3  # every other node holds the key
+    # The bounds cut a read to two answers and a store's lookup to five: a constant factor, still linear in N.
+    new_small, new_large = (coordination_row(n, 1000, 0, NEW, SCHED) for n in (64, 1000))
+    assert new_large["kb_per_read"] == 2 * 1000
+    assert 7 < large["kb"] / new_large["kb"] < 9 and new_large["kb"] / new_small["kb"] == pytest.approx(1000 / 64,
+                                                                                                         rel=0.01)
+    # Measured reads and stores (peer.simulate) replace the schedule's.
+    assert coordination_row(16, 1000, 0, NEW, SCHED, reads=8, stores=2)["reads"] == 8
 
 
 @pytest.mark.unit
-def test_inputs_come_from_a_signed_record_and_hivemind(capsys):
-    assert hivemind_dht_params() == DHT  # hivemind 1.1.12's DHTNode.create defaults
+def test_inputs_come_from_a_signed_record_hivemind_and_sync_dht(capsys):
+    assert hivemind_dht_params() == DhtParams(bucket_size=20, num_replicas=5, cache_nearest=1)  # hivemind 1.1.12
+    old, new = builds()
+    assert (old.read_visits, old.store_visits) == (20, 20) and (new.read_visits, new.store_visits) == (2, 5)
     assert 700 < record_copy_bytes() < 2000  # RSA-2048 key and signature plus the payload
+    assert 1000 < neighbours_bytes() < 1500  # 20 node IDs and peer IDs
     assert main(["--peers", "8", "1000", "--interval", "2"]) == 0
     out = capsys.readouterr().out
     assert "| 1000" in out and "goal (10 KB)" in out
+    with pytest.raises(SystemExit):
+        main(["--peers", "1"])

@@ -182,3 +182,32 @@ def test_an_adopter_that_adopted_before_it_saw_the_tombstone_still_gets_the_mome
         assert set(a.sync.handed_over) == {2, 3}
     finally:
         leaving.join(timeout=15)
+
+
+def test_a_leavers_poke_makes_an_idle_reader_fetch_the_moments_in_time(swarm_factory):
+    """Between rounds the records' reader reads only every few seconds (sync.progress); a leaver serves its
+    moments for LEAVE_GRACE s only. Its poke (sync.leave.likely_adopters) makes the adopter read at once."""
+    import threading
+    import time
+
+    from tests.conftest import round_all
+
+    cfg = sync_cfg(record_ttl=6.0)
+    a, b = swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg)
+    opt_b = _adamw(b.model)
+    b.sync.exchange.moments_provider = lambda e: expert_moments(opt_b, b.model, e)
+    round_all([a, b])  # each saw the other's experts owned
+    a.sync.progress.hot, a.sync.progress.idle_poll = (lambda: False), 600.0  # mid-interval: no read for minutes
+    time.sleep(2 * a.sync.progress.poll)
+    reads = a.sync.progress.reads
+    b.sync.leave_soon()
+    leaving = threading.Thread(target=b.sync.shutdown)  # tombstone, poke, then serves its moments
+    leaving.start()
+    try:
+        deadline = time.monotonic() + 10
+        while set(a.sync._left_moments) != {2, 3} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(a.sync._left_moments) == {2, 3}
+        assert a.sync.progress.reads - reads <= 2  # the poke's read (and one more if a poke came twice)
+    finally:
+        leaving.join(timeout=15)
