@@ -12,9 +12,10 @@ measured here or read from the code that sets it:
   fingerprint, 4 experts) signed by a fresh 2048-bit RSA identity (`RunRecordValidator.sign_value`), with its
   subkey and expiration, msgpack-framed as hivemind's DHT sends it; bytes of a find answer's neighbour list
   (`bucket_size` node and peer IDs, hivemind's own protobuf).
-- reads per round: the progress reader every `min(1, matchmaking_time / 4)` s over the round interval
-  (sync/progress.py), the announcement wait's reads every 0.2 s for `--wait` seconds (sync/contributions.py) and
-  the round start's read. Stores per round: the heartbeat every `record_ttl / 3` s plus the announcement.
+- reads per round: the records' reader (sync/progress.py) every `min(1, matchmaking_time / 4)` s over the round
+  interval (7466c65), or (this build) so from `matchmaking_time` + 2 polls before a round's start to the end of
+  its announcement wait and every `record_ttl / 3` s otherwise; the announcement wait's reads every 0.2 s for
+  `--wait` seconds (sync/contributions.py) and the round start's read. Stores per round: the heartbeat every `record_ttl / 3` s plus the announcement.
 - what a request costs (hivemind.dht.node): every record of the run lives under one key, and every node a
   request visits that holds the key answers with all of its records. A read (`latest=True`) visits the
   `beam_size` nearest nodes it finds: 20 by default, READ_BEAM here. A store first visits the nodes nearest the
@@ -48,13 +49,14 @@ class DhtParams:
 
 @dataclass(frozen=True)
 class Requests:
-    """How many nodes a read and a store visit (each holding the key answers with every record), and how many
-    nodes a record is stored on."""
+    """How many nodes a read and a store visit (each holding the key answers with every record), how many
+    nodes a record is stored on, and whether the records' reader reads on the rounds' schedule."""
 
     name: str
     read_visits: int
     store_visits: int
     replicas: int
+    scheduled_reads: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class Schedule:
     wait_s: float         # the announcement wait's length
     wait_poll_s: float
     heartbeat_s: float
+    lead_s: float = 0.0   # the reader reads every poll this long before a round's start (sync.schedule._reads_hot)
+    idle_poll_s: float = 0.0  # and every idle_poll_s otherwise (scheduled builds)
 
 
 def hivemind_dht_params() -> DhtParams:
@@ -78,7 +82,7 @@ def builds() -> tuple[Requests, Requests]:
     from sync.dht import NUM_REPLICAS, READ_BEAM, STORE_BEAM
     dht = hivemind_dht_params()
     return (Requests("7466c65", dht.bucket_size, dht.bucket_size, dht.num_replicas),
-            Requests("this build", READ_BEAM, STORE_BEAM, NUM_REPLICAS))
+            Requests("this build", READ_BEAM, STORE_BEAM, NUM_REPLICAS, scheduled_reads=True))
 
 
 def neighbours_bytes() -> int:
@@ -134,7 +138,12 @@ def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Reques
     read_answers, store_answers = (min(peers - 1, n) for n in (req.read_visits, req.store_visits))
     replicas = min(peers - 1, req.replicas)
     if reads is None:
-        reads = sched.interval_s / sched.progress_poll_s + sched.wait_s / sched.wait_poll_s + 1
+        reads = sched.wait_s / sched.wait_poll_s + 1  # the announcement wait's polls and the round start's read
+        if req.scheduled_reads:  # every poll from lead_s before the start to the wait's end, else every idle poll
+            hot = min(sched.interval_s, sched.lead_s + sched.wait_s)
+            reads += hot / sched.progress_poll_s + (sched.interval_s - hot) / sched.idle_poll_s
+        else:
+            reads += sched.interval_s / sched.progress_poll_s
     if stores is None:
         stores = sched.interval_s / sched.heartbeat_s + 1
     all_records = peers * record_bytes
@@ -151,10 +160,10 @@ def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Reques
 def table(rows: Sequence[tuple[dict[str, float], dict[str, float]]], names: tuple[str, str]) -> str:
     a, b = names
     return format_table(
-        ["peers (= records per read)", "reads per round", f"KB per read, {a} / {b}",
+        ["peers (= records per read)", f"reads per round, {a} / {b}", f"KB per read, {a} / {b}",
          f"coordination KB/peer/round, {a}", "this build", "÷", f"DHT requests/peer/round, {a} / {b}",
          "KB a record holder serves per round", "this build ÷ goal (10 KB)"],
-        [[o["peers"], f"{o['reads']:.0f}", f"{o['kb_per_read']:,.0f} / {n['kb_per_read']:,.0f}", f"{o['kb']:,.0f}",
+        [[o["peers"], f"{o['reads']:.0f} / {n['reads']:.0f}", f"{o['kb_per_read']:,.0f} / {n['kb_per_read']:,.0f}", f"{o['kb']:,.0f}",
           f"{n['kb']:,.0f}", f"{o['kb'] / n['kb']:.1f}x", f"{o['requests']:,.0f} / {n['requests']:,.0f}",
           f"{n['served_kb']:,.0f}", f"{n['kb'] / GOAL_KB:,.0f}x"] for o, n in rows])
 
@@ -174,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.peers) < 2 or args.interval <= 0 or args.wait < 0 or min(args.reads or 0, args.stores or 0) < 0:
         p.error("--peers >= 2, --interval > 0, --wait, --reads and --stores >= 0")
     setup_logging()
-    sched = Schedule(args.interval, min(1.0, defaults.matchmaking_time / 4), args.wait, 0.2, defaults.record_ttl / 3)
+    poll = min(1.0, defaults.matchmaking_time / 4)  # as sync.rounds sets the reader up
+    sched = Schedule(args.interval, poll, args.wait, 0.2, defaults.record_ttl / 3,
+                     lead_s=defaults.matchmaking_time + 2 * poll, idle_poll_s=defaults.record_ttl / 3)
     record_bytes, neighbours, (old, new) = record_copy_bytes(), neighbours_bytes(), builds()
     k = hivemind_dht_params().bucket_size
     rows = [tuple(coordination_row(n, record_bytes, neighbours, req, sched, k, args.reads, args.stores)

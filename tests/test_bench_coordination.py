@@ -7,8 +7,9 @@ import pytest
 from bench.coordination import (DhtParams, Requests, Schedule, builds, coordination_row, hivemind_dht_params, main,
                                 neighbours_bytes, record_copy_bytes)
 
-SCHED = Schedule(interval_s=10.0, progress_poll_s=1.0, wait_s=1.0, wait_poll_s=0.2, heartbeat_s=10.0)
-OLD, NEW = Requests("old", 20, 20, 5), Requests("new", 2, 5, 5)
+SCHED = Schedule(interval_s=10.0, progress_poll_s=1.0, wait_s=1.0, wait_poll_s=0.2, heartbeat_s=10.0, lead_s=7.0,
+                 idle_poll_s=10.0)
+OLD, NEW = Requests("old", 20, 20, 5), Requests("new", 2, 5, 5, scheduled_reads=True)
 
 
 @pytest.mark.unit
@@ -22,8 +23,13 @@ def test_every_visited_holder_answers_with_every_record():
     # The bounds cut a read to two answers and a store's lookup to five: a constant factor, still linear in N.
     new_small, new_large = (coordination_row(n, 1000, 0, NEW, SCHED) for n in (64, 1000))
     assert new_large["kb_per_read"] == 2 * 1000
-    assert 7 < large["kb"] / new_large["kb"] < 9 and new_large["kb"] / new_small["kb"] == pytest.approx(1000 / 64,
+    assert 8 < large["kb"] / new_large["kb"] < 10 and new_large["kb"] / new_small["kb"] == pytest.approx(1000 / 64,
                                                                                                          rel=0.01)
+    # On the rounds' schedule the reader reads every poll only from lead_s before a round to its wait's end.
+    assert new_small["reads"] == 5 + 1 + 8 + 2 / 10
+    long = Schedule(100.0, 1.0, 1.0, 0.2, 10.0, lead_s=7.0, idle_poll_s=10.0)
+    assert coordination_row(64, 1000, 0, OLD, long)["reads"] == 106
+    assert coordination_row(64, 1000, 0, NEW, long)["reads"] == pytest.approx(5 + 1 + 8 + 92 / 10)
     # Measured reads and stores (peer.simulate) replace the schedule's.
     assert coordination_row(16, 1000, 0, NEW, SCHED, reads=8, stores=2)["reads"] == 8
 
@@ -33,6 +39,7 @@ def test_inputs_come_from_a_signed_record_hivemind_and_sync_dht(capsys):
     assert hivemind_dht_params() == DhtParams(bucket_size=20, num_replicas=5, cache_nearest=1)  # hivemind 1.1.12
     old, new = builds()
     assert (old.read_visits, old.store_visits) == (20, 20) and (new.read_visits, new.store_visits) == (2, 5)
+    assert not old.scheduled_reads and new.scheduled_reads
     assert 700 < record_copy_bytes() < 2000  # RSA-2048 key and signature plus the payload
     assert 1000 < neighbours_bytes() < 1500  # 20 node IDs and peer IDs
     assert main(["--peers", "8", "1000", "--interval", "2"]) == 0
