@@ -15,7 +15,8 @@ measured here or read from the code that sets it:
 - reads per round: the records' reader (sync/progress.py) every `min(1, matchmaking_time / 4)` s over the round
   interval (7466c65), or (this build) so from `matchmaking_time` + 2 polls before a round's start to the end of
   its announcement wait and every `record_ttl / 3` s otherwise; the announcement wait's reads every 0.2 s for
-  `--wait` seconds (sync/contributions.py) and the round start's read. Stores per round: the heartbeat every `record_ttl / 3` s plus the announcement.
+  `--wait` seconds (sync/contributions.py) and the round start's read. Stores per round: the heartbeat every
+  `record_ttl / 3` s plus the announcement.
 - what a request costs (hivemind.dht.node): every record of the run lives under one key, and every node a
   request visits that holds the key answers with all of its records. A read (`latest=True`) visits the
   `beam_size` nearest nodes it finds: 20 by default, READ_BEAM here. A store first visits the nodes nearest the
@@ -163,7 +164,8 @@ def table(rows: Sequence[tuple[dict[str, float], dict[str, float]]], names: tupl
         ["peers (= records per read)", f"reads per round, {a} / {b}", f"KB per read, {a} / {b}",
          f"coordination KB/peer/round, {a}", "this build", "÷", f"DHT requests/peer/round, {a} / {b}",
          "KB a record holder serves per round", "this build ÷ goal (10 KB)"],
-        [[o["peers"], f"{o['reads']:.0f} / {n['reads']:.0f}", f"{o['kb_per_read']:,.0f} / {n['kb_per_read']:,.0f}", f"{o['kb']:,.0f}",
+        [[o["peers"], f"{o['reads']:.0f} / {n['reads']:.0f}", f"{o['kb_per_read']:,.0f} / {n['kb_per_read']:,.0f}",
+          f"{o['kb']:,.0f}",
           f"{n['kb']:,.0f}", f"{o['kb'] / n['kb']:.1f}x", f"{o['requests']:,.0f} / {n['requests']:,.0f}",
           f"{n['served_kb']:,.0f}", f"{n['kb'] / GOAL_KB:,.0f}x"] for o, n in rows])
 
