@@ -5,7 +5,7 @@
 
 Coordination is what a peer sends and receives to learn about the others (DHT reads and stores of the run's peer
 records), not the contribution blobs (bench.contrib_bytes). Two builds side by side: `7466c65` (hivemind's DHT
-defaults) and this one (sync.dht: READ_BEAM, STORE_BEAM, no caching at the nearest nodes). Every input is
+defaults) and this one (sync.dht: READ_BEAM, stores that look up elsewhere, no caching at other nodes). Every input is
 measured here or read from the code that sets it:
 
 - bytes per record copy: a peer record as a round leaves it (contrib, prev, synced, due, origin, settings
@@ -20,7 +20,8 @@ measured here or read from the code that sets it:
 - what a request costs (hivemind.dht.node): every record of the run lives under one key, and every node a
   request visits that holds the key answers with all of its records. A read (`latest=True`) visits the
   `beam_size` nearest nodes it finds: 20 by default, READ_BEAM here. A store first visits the nodes nearest the
-  key (beam 20 by default, STORE_BEAM here), each answering like a read, then stores on `num_replicas`. With
+  key (beam 20 by default), each answering like a read, then stores on `num_replicas`; here it looks up an ID
+  next to the key's (sync.hivemind_private.store_near: the same beam, answered with neighbours only). With
   `cache_nearest` 1 (hivemind's default) every read that found a fresher dictionary stores all of it on one more
   node, so over time every visited node holds the key: peer.simulate measured it (bench/README.md).
 
@@ -58,6 +59,7 @@ class Requests:
     store_visits: int
     replicas: int
     scheduled_reads: bool = False
+    store_lookup_answers_records: bool = True  # False: a store looks up a neighbouring ID (store_near)
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,11 @@ def hivemind_dht_params() -> DhtParams:
 
 def builds() -> tuple[Requests, Requests]:
     """(7466c65: hivemind's defaults, this build: sync.dht's bounds)."""
-    from sync.dht import NUM_REPLICAS, READ_BEAM, STORE_BEAM
+    from sync.dht import NUM_REPLICAS, READ_BEAM
     dht = hivemind_dht_params()
     return (Requests("7466c65", dht.bucket_size, dht.bucket_size, dht.num_replicas),
-            Requests("this build", READ_BEAM, STORE_BEAM, NUM_REPLICAS, scheduled_reads=True))
+            Requests("this build", READ_BEAM, dht.bucket_size, NUM_REPLICAS, scheduled_reads=True,
+                     store_lookup_answers_records=False))
 
 
 def neighbours_bytes() -> int:
@@ -150,12 +153,13 @@ def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Reques
     all_records = peers * record_bytes
     finds = reads * (read_answers + hops) + stores * (store_answers + hops)
     neighbour_list = neighbours * min(bucket_size, peers - 1) / bucket_size  # a node names the ones it knows
-    kb = (reads * read_answers * all_records + stores * (store_answers * all_records + replicas * record_bytes)
+    lookup_records = store_answers * all_records if req.store_lookup_answers_records else 0
+    kb = (reads * read_answers * all_records + stores * (lookup_records + replicas * record_bytes)
           + finds * neighbour_list) / 1000
     return {"peers": peers, "kb_per_read": read_answers * all_records / 1000, "reads": reads, "kb": kb,
             "requests": finds + stores * replicas,
             # Each node holding the key answers every other peer's requests that visit it with the whole set.
-            "served_kb": (peers - 1) * (reads + stores) * all_records / 1000}
+            "served_kb": (peers - 1) * (reads + (stores if lookup_records else 0)) * all_records / 1000}
 
 
 def table(rows: Sequence[tuple[dict[str, float], dict[str, float]]], names: tuple[str, str]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import socket
@@ -21,6 +22,7 @@ from hivemind.p2p import P2P
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
+from sync.hivemind_private import store_near
 from sync.records import RunRecordValidator, ephemeral_identity, load_identity
 from sync.reach import relay_client_options, static_relays_only
 
@@ -30,10 +32,9 @@ logger = get_logger(__name__)
 FIRST_JOIN_RETRY_S = 1.0
 
 # Every DHT request that touches a run key costs the whole record set: each node holding the key answers a find
-# with all of its records, and a store first finds the nodes nearest the key (docs/DESIGN.md, "DHT records").
-# hivemind's defaults visit up to bucket_size (20) nodes for either; these bound it to what is used:
-NUM_REPLICAS = 5  # nodes a record is stored on (hivemind's default, set here so STORE_BEAM follows it)
-STORE_BEAM = NUM_REPLICAS  # a store visits the nodes it stores on
+# with all of its records (docs/DESIGN.md, "DHT records"). hivemind's defaults visit up to bucket_size (20) nodes
+# per read, and a store looks the key itself up through as many: reads are bounded here, stores look up elsewhere.
+NUM_REPLICAS = 5  # nodes a record is stored on (hivemind's default)
 # A read visits the two nodes nearest the key: one that missed a store (stores do not wait for the replicas) is
 # covered by the other, and the heartbeat stores every record again within ttl/3.
 READ_BEAM = 2
@@ -47,9 +48,12 @@ def read_latest(dht: hivemind.DHT, key: str, return_future: bool = False) -> Any
 
 def store_record(dht: hivemind.DHT, key: str, subkey: str, value: Any, expiration: float,
                  return_future: bool = False) -> Any:
-    """`DHT.store` of one subkey of a run key on the NUM_REPLICAS nodes nearest it (STORE_BEAM)."""
-    return dht.store(key, subkey=subkey, value=value, expiration_time=expiration, return_future=return_future,
-                     beam_size=STORE_BEAM)
+    """Store one subkey of a run key on the NUM_REPLICAS nodes nearest it, found by a lookup whose nodes answer
+    with neighbours only, not the key's records (sync.hivemind_private.store_near); True if any stored it. The
+    lookup keeps hivemind's beam (bucket_size): cheap now, and a joiner whose routing table is still sparse
+    finds the same nearest nodes as everyone's reads (a narrower beam stored some joiners' records elsewhere)."""
+    return dht.run_coroutine(functools.partial(store_near, key=key, subkey=subkey, value=value,
+                                               expiration=expiration), return_future=return_future)
 
 
 class SwarmError(RuntimeError):

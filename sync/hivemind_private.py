@@ -3,6 +3,9 @@ hivemind 1.1.12 that it does not expose publicly. hivemind is pinned (setup.cfg)
 first. No subclass of hivemind's averaging classes exists in this project; the one runtime wrapper is
 `count_dht_rpcs`, a measurement that peer.simulate installs (no peer run does).
 
+- `store_near`: `DHTNode.store_many` for one subkey, except the lookup (its node's `find_nearest_nodes`,
+  `protocol.serializer` / `record_validator` / `storage` / `call_store`): see its docstring.
+
 - `listen_maddr`: the DHT process's p2pd control address, to start a private `P2P.replicate` on another event loop
   (what `DHT.replicate_p2p` itself asks; its cached replica is bound to one loop).
 - `handle_name`: the wire name of a `ServicerBase` rpc handler, for a raw binary stream call to it.
@@ -15,6 +18,7 @@ first. No subclass of hivemind's averaging classes exists in this project; the o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Sequence
 
 import hivemind
@@ -80,3 +84,33 @@ def dht_rpc_counts(dht: hivemind.DHT) -> dict[str, int]:
     """{requests, sent, received} since `count_dht_rpcs` (bytes: the requests' and responses' protobuf sizes), and
     the same per request kind ("rpc_find requests", ...)."""
     return dht.run_coroutine(_read_rpc_counter)
+
+
+async def store_near(_dht: hivemind.DHT, node: Any, key: str, subkey: str, value: Any, expiration: float) -> bool:
+    """Store `value` under (`key`, `subkey`) on the `num_replicas` nodes nearest the key, signed and validated as
+    `DHTNode.store_many` does; True if any of them stored it. The difference is the lookup: store_many looks up
+    the key itself, so every node it visits that holds the key answers with the whole dictionary (every peer
+    record of a run: O(N) bytes per visit, for nothing). This looks up an ID one bit away from the key's, which
+    no node holds; nodes are ordered by XOR distance, so its nearest nodes are the key's (unless two differ only
+    in their last bit), and each answers with neighbours only (docs/DESIGN.md, "DHT records")."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+
+    protocol = node.protocol
+    key_id = DHTID.generate(source=key)
+    probe = DHTID(int(key_id) ^ 1)
+    found = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas)
+    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
+                       expiration)
+    if protocol.record_validator is not None:
+        record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
+    stored, remote = [], []
+    for node_id, peer_id in found.get(probe, {}).items():
+        if node_id == node.node_id:
+            valid = protocol.record_validator is None or protocol.record_validator.validate(record)
+            stored.append(bool(valid and protocol.storage.store(key_id, record.value, expiration, subkey=subkey)))
+        else:
+            remote.append(protocol.call_store(peer_id, [key_id], [record.value], [expiration], subkeys=[subkey]))
+    for answer in await asyncio.gather(*remote, return_exceptions=True):
+        stored.append(isinstance(answer, list) and bool(answer) and bool(answer[0]))
+    return any(stored)

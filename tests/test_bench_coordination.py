@@ -30,6 +30,12 @@ def test_every_visited_holder_answers_with_every_record():
     long = Schedule(100.0, 1.0, 1.0, 0.2, 10.0, lead_s=7.0, idle_poll_s=10.0)
     assert coordination_row(64, 1000, 0, OLD, long)["reads"] == 106
     assert coordination_row(64, 1000, 0, NEW, long)["reads"] == pytest.approx(5 + 1 + 8 + 92 / 10)
+    # A store that looks up a neighbouring ID (store_near) is not answered with the records.
+    probe = Requests("probe", 2, 5, 5, scheduled_reads=True, store_lookup_answers_records=False)
+    lighter = coordination_row(1000, 1000, 0, probe, long)
+    heavier = coordination_row(1000, 1000, 0, NEW, long)
+    stores = 100 / 10 + 1  # the heartbeat's and the announcement's
+    assert heavier["kb"] - lighter["kb"] == pytest.approx(stores * 5 * 1000 * 1000 / 1000)  # 5 answers of N records
     # Measured reads and stores (peer.simulate) replace the schedule's.
     assert coordination_row(16, 1000, 0, NEW, SCHED, reads=8, stores=2)["reads"] == 8
 
@@ -38,8 +44,9 @@ def test_every_visited_holder_answers_with_every_record():
 def test_inputs_come_from_a_signed_record_hivemind_and_sync_dht(capsys):
     assert hivemind_dht_params() == DhtParams(bucket_size=20, num_replicas=5, cache_nearest=1)  # hivemind 1.1.12
     old, new = builds()
-    assert (old.read_visits, old.store_visits) == (20, 20) and (new.read_visits, new.store_visits) == (2, 5)
+    assert (old.read_visits, old.store_visits) == (20, 20) and (new.read_visits, new.store_visits) == (2, 20)
     assert not old.scheduled_reads and new.scheduled_reads
+    assert old.store_lookup_answers_records and not new.store_lookup_answers_records
     assert 700 < record_copy_bytes() < 2000  # RSA-2048 key and signature plus the payload
     assert 1000 < neighbours_bytes() < 1500  # 20 node IDs and peer IDs
     assert main(["--peers", "8", "1000", "--interval", "2"]) == 0
