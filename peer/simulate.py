@@ -99,11 +99,11 @@ class SimPeer:
 def _count_requests(peer: SimPeer) -> None:
     """Count the peer's DHT reads and stores (wrapping the public methods of its own hivemind.DHT instance), and
     every request its DHT node sends with the bytes both ways (sync.hivemind_private.count_dht_rpcs)."""
-    from sync.hivemind_private import count_dht_rpcs
+    from sync.hivemind_private import count_dht_rpcs, store_near
 
     dht = peer.swarm.dht
     count_dht_rpcs(dht)
-    get, store = dht.get, dht.store
+    get, store, run = dht.get, dht.store, dht.run_coroutine
 
     def counted_get(key, *args, **kwargs):
         peer.reads += 1
@@ -116,7 +116,11 @@ def _count_requests(peer: SimPeer) -> None:
         peer.stores += 1
         return store(*args, **kwargs)
 
-    dht.get, dht.store = counted_get, counted_store
+    def counted_run(coro, *args, **kwargs):  # sync.dht.store_record runs store_near in the DHT process
+        peer.stores += getattr(coro, "func", None) is store_near
+        return run(coro, *args, **kwargs)
+
+    dht.get, dht.store, dht.run_coroutine = counted_get, counted_store, counted_run
 
 
 class Simulation:
