@@ -86,7 +86,6 @@ class SimPeer:
     reads: int = 0
     stores: int = 0
     records_read: int = 0
-    rpc: dict[str, int] = field(default_factory=dict)  # the DHT node's requests and bytes (hivemind_private)
     rounds: list[dict[str, Any]] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -103,7 +102,7 @@ def _count_requests(peer: SimPeer) -> None:
 
     dht = peer.swarm.dht
     count_dht_rpcs(dht)
-    get, store, run = dht.get, dht.store, dht.run_coroutine
+    get, run = dht.get, dht.run_coroutine
 
     def counted_get(key, *args, **kwargs):
         peer.reads += 1
@@ -112,15 +111,11 @@ def _count_requests(peer: SimPeer) -> None:
         peer.records_read += len(value) if isinstance(value, dict) else 0
         return found
 
-    def counted_store(*args, **kwargs):
-        peer.stores += 1
-        return store(*args, **kwargs)
-
     def counted_run(coro, *args, **kwargs):  # sync.dht.store_record runs store_near in the DHT process
         peer.stores += getattr(coro, "func", None) is store_near
         return run(coro, *args, **kwargs)
 
-    dht.get, dht.store, dht.run_coroutine = counted_get, counted_store, counted_run
+    dht.get, dht.run_coroutine = counted_get, counted_run
 
 
 class Simulation:
