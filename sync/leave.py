@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
-from sync.swarm import PeerRecord, adoption_rank
+from sync.swarm import PeerRecord, adoption_order
 
 logger = get_logger(__name__)
 
@@ -37,14 +37,15 @@ POKED_PER_EXPERT = 2  # likely adopters poked per left expert: the first by the 
 
 def likely_adopters(records: dict[str, PeerRecord], left: Iterable[int], num_experts: int,
                     per_expert: int = POKED_PER_EXPERT) -> set[str]:
-    """The peers (of `records`: the others, as the leaver last read them) the adoption rule most likely names
-    for the `left` experts that nobody else owns: the first `per_expert` with room by adoption_rank. A wrong guess
-    costs that peer one read; a missed adopter reads the tombstone at its next read and may start fresh moments."""
+    """The peers (of `records`: the live others, as the leaver last read them) the adoption rule most likely names
+    for the `left` experts that nobody else owns: the first `per_expert` with room (sync.swarm.adoption_order). A
+    wrong guess costs that peer one read; a missed adopter reads the tombstone at its next read and may start
+    fresh moments."""
     owned = set().union(*(r.experts for r in records.values())) if records else set()
-    room = [p for p, r in records.items() if r.room(num_experts) > 0 and not r.finished]
+    room = [p for p, r in records.items() if r.room(num_experts) > 0]
     chosen: set[str] = set()
     for expert in sorted(set(left) - owned):
-        chosen.update(sorted(room, key=lambda p: adoption_rank(p, expert))[:per_expert])
+        chosen.update(adoption_order(room, expert)[:per_expert])
     return chosen
 
 

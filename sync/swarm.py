@@ -66,6 +66,12 @@ def adoption_rank(peer_id: str, expert: int) -> bytes:
     return hashlib.sha256(f"{peer_id}:{expert}".encode()).digest()
 
 
+def adoption_order(candidates: Iterable[str], expert: int) -> list[str]:
+    """`candidates` (peers with room) in the order the adoption rule prefers them for an ownerless `expert`: the
+    first adopts it (Swarm.orphans_to_adopt); a leaver pokes the first few (sync.leave.likely_adopters)."""
+    return sorted(candidates, key=lambda p: adoption_rank(p, expert))
+
+
 @dataclass
 class Swarm:
     """One peer's membership in a run: its DHT node, its ownership record and a heartbeat."""
@@ -368,7 +374,7 @@ class Swarm:
             candidates = [p for p in records if room[p] > 0]
             if not candidates:
                 break
-            winner = min(candidates, key=lambda p: adoption_rank(p, expert))
+            winner = adoption_order(candidates, expert)[0]
             room[winner] -= 1
             if winner == self.peer_id:
                 adopt.append(expert)
