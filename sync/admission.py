@@ -154,7 +154,9 @@ def check_peer_id(peer_id: str) -> str:
 def peer_id_from_identity(identity_path: str, create: bool = False) -> str:
     """The base58 peer ID of a libp2p identity file (hivemind's --identity-path); with `create`, a missing file is
     generated first (and its folder). AdmissionError naming the file if it is missing or not an identity."""
-    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p import PeerID
+
+    from sync.records import create_identity
     path = Path(identity_path)
     if not path.exists():
         if not create:
@@ -162,7 +164,7 @@ def peer_id_from_identity(identity_path: str, create: bool = False) -> str:
                                  f"python -m peer.admit peer-id --identity-path {identity_path}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            P2P.generate_identity(str(path))
+            create_identity(str(path))
         except OSError as e:
             raise AdmissionError(f"cannot create identity file {identity_path}: {e.strerror or e}") from None
     try:

@@ -18,12 +18,11 @@ import time
 from typing import Any, Sequence
 
 import hivemind
-from hivemind.p2p import P2P
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 from sync.hivemind_private import store_near
-from sync.records import RunRecordValidator, ephemeral_identity, load_identity
+from sync.records import RunRecordValidator, create_identity, ephemeral_identity, load_identity
 from sync.reach import relay_client_options, static_relays_only
 
 logger = get_logger(__name__)
@@ -154,7 +153,7 @@ def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str]
             private_key = None
             if sign:
                 if not os.path.isfile(identity_path):
-                    P2P.generate_identity(identity_path)  # what hivemind would do; we need the key to sign
+                    create_identity(identity_path)  # what hivemind would do, but atomic; we need the key to sign
                 private_key = load_identity(identity_path)
             kwargs["record_validators"] = [RunRecordValidator(
                 run_id, num_experts or 2**16, private_key=private_key, record_ttl=record_ttl,

@@ -112,12 +112,30 @@ def load_identity(identity_path: str) -> rsa.RSAPrivateKey:
     return key
 
 
+def create_identity(identity_path: str) -> bool:
+    """Write a fresh libp2p identity to `identity_path` unless a file is there already; True if this call wrote it.
+    The key is written to a temp file in the same folder and then linked in place, which fails rather than
+    overwrites: two processes started together with one path both end up with the one key that landed first.
+    (hivemind's generate_identity truncates and rewrites the path: each process would load its own key, or half
+    of the other's file, and the two would run as unrelated peers sharing one identity file.)"""
+    fd, temp = tempfile.mkstemp(prefix=".identity-", dir=os.path.dirname(os.path.abspath(identity_path)))
+    os.close(fd)
+    try:
+        P2P.generate_identity(temp)
+        os.link(temp, identity_path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(temp)
+
+
 def ephemeral_identity() -> tuple[str, str]:
     """A fresh identity file in a private temp dir (for a peer without --identity-path): (path, its dir).
     The peer must know its private key to sign its records, so p2pd may not generate one on its own."""
     directory = tempfile.mkdtemp(prefix="spes-identity-")
     path = os.path.join(directory, "identity.key")
-    P2P.generate_identity(path)
+    create_identity(path)
     return path, directory
 
 

@@ -285,6 +285,24 @@ def test_of_twins_started_together_the_later_gives_way_and_leaves_the_record_alo
         first.shutdown(withdraw=False)
 
 
+@pytest.mark.unit
+def test_processes_creating_one_identity_file_together_all_load_the_one_key(tmp_path):
+    """Peers started at one moment with a new --identity-path race to create it: exactly one key lands, every
+    process reads that whole key, and a file already there is never rewritten (a rewrite made the twins of
+    the test below two unrelated peers with one file, in one CI run)."""
+    from sync.admission import peer_id_from_identity
+    from sync.records import create_identity
+
+    path = str(tmp_path / "keys" / "shared.key")
+    os.makedirs(os.path.dirname(path))
+    with concurrent.futures.ProcessPoolExecutor(4) as pool:
+        ids = list(pool.map(peer_id_from_identity, [path] * 8, [True] * 8))
+    assert len(set(ids)) == 1
+    before = Path(path).read_bytes()
+    assert create_identity(path) is False and Path(path).read_bytes() == before
+    assert os.listdir(os.path.dirname(path)) == ["shared.key"]  # no temp file left behind
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_twin_peer_processes_started_together_one_exits_2_naming_the_identity(tmp_path, processes):
