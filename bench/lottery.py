@@ -1,15 +1,17 @@
 """Bounded contributions per round: does an outer rule over C of N peers' changes train as well as over all N?
 
-    python -m bench.lottery                                   # 8 peers, 2 drawn per round, every arm (~15 min)
-    python -m bench.lottery --peers 4 --contributors 1 --rounds 4 --eval-every 2      # the CI smoke version
+    python -m bench.lottery                                   # 8 peers, 2 drawn per round, every arm (~6 min)
+    python -m bench.lottery --codec sparse --arms all,scaled,discard      # changes through the run's codec
+    python -m bench.lottery --peers 3 --contributors 1 --rounds 2 --every 2 --eval-every 1    # the CI smoke version
 
 The question before the round fetches a bounded number of contributions (issue "Many peers": every peer fetching
 every peer's blob is O(N) per peer and round): what the peers that are not drawn do with their training, and how
 the drawn ones' changes are weighed. This bench answers it for the outer rule alone, in one process, with no DHT
-and no codec (fp32 changes, `model.frozen_expert_dtype: float32`), so only the rule differs between arms: every
+(by default fp32 changes; `model.frozen_expert_dtype: float32`), so only the rule differs between arms: every
 peer is a real `peer.train.Trainer` on configs/tiny.yaml with its own data order, owning `--experts-per-peer`
 experts (peer i: experts i, i+1, ... mod E), training `--every` steps per round on them and the shared tensors.
-A peer's change is its live values minus the last synchronized ones (shared tensors and owned experts).
+A peer's change is its live values minus the last synchronized ones (shared tensors and owned experts); with
+`--codec sparse` it is sent through the run's codec (sync/sparse.py) and the unsent part stays in the live model.
 
 Arms (the draw: the C peers with the lowest sha256(round, peer) tickets):
   all      every peer contributes every round; synchronized += mean of the changes (each expert: over its owners),
@@ -41,8 +43,10 @@ from typing import Any
 import torch
 
 from bench.common import REPO_ROOT, format_table, logger, set_threads, setup_logging
+from sync.sparse import SparseSpec, encode
 
 ARMS = ("all", "mean", "scaled", "perround", "discard", "gossip")
+SEED_STRIDE = 1_000_000  # --seed s draws as rounds s * SEED_STRIDE + 1, 2, ... (s = 0: the runs recorded)
 Values = dict[str, torch.Tensor]  # a model's synchronized tensors: "s/{i}" shared, "e{expert}/{name}" experts
 
 
@@ -115,12 +119,17 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     def trainer(name: str, seed: int) -> Any:
         cfg = load_config(REPO_ROOT / "configs" / "tiny.yaml", [{
             "run_dir": str(out / arm / name), "model": {"frozen_expert_dtype": "float32"},
-            "train": {"warmup_steps": 5, "max_steps": args.rounds * args.every, "eval_batches": 8}}])
+            "train": {"warmup_steps": 5, "max_steps": args.rounds * args.every, "eval_batches": 8,
+                      "seed": args.seed}}])
         return Trainer(cfg, data_seed=seed)
 
-    peers = [trainer(f"peer{i}", 1000 + i) for i in range(args.peers)]
+    peers = [trainer(f"peer{i}", 1000 + 100 * args.seed + i) for i in range(args.peers)]
     evaluator = trainer("eval", 0)
     num_experts = evaluator.model.cfg.num_experts
+    spec = None
+    if args.codec == "sparse":  # the run's default codec, as configs/tiny.yaml peers use it
+        sp = evaluator.cfg.sync.sparse
+        spec = SparseSpec(method="sparse", chunk=sp.chunk, topk=sp.topk, bits=sp.bits)
     owners = {i: sorted({(i + j) % num_experts for j in range(args.experts_per_peer)}) for i in range(args.peers)}
     synced = _values(peers[0], range(num_experts))
     for i, t in enumerate(peers):
@@ -130,11 +139,12 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     losses: dict[int, float] = {}
     fetched = []
     for round_id in range(1, args.rounds + 1):
+        draw = round_id + SEED_STRIDE * args.seed  # the draw's and the gossip choice's round number
         for t in peers:
             for _ in range(args.every):
                 t.train_step(readback=False)
         if arm == "gossip":
-            mixed = gossip([_values(t, range(num_experts)) for t in peers], owners, args.contributors, round_id)
+            mixed = gossip([_values(t, range(num_experts)) for t in peers], owners, args.contributors, draw)
             for t, values in zip(peers, mixed):
                 _load(t, values)
             fetched.append(min(args.contributors, args.peers - 1))
@@ -144,15 +154,21 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             continue
         for i in skipped:
             skipped[i] += 1
-        chosen = list(range(args.peers)) if arm == "all" else drawn(round_id, args.peers, args.contributors)
-        changes = {}
+        chosen = list(range(args.peers)) if arm == "all" else drawn(draw, args.peers, args.contributors)
+        changes, unsent = {}, {}
         for i in chosen:
             live = _values(peers[i], owners[i])
             changes[i] = {n: v - synced[n] for n, v in live.items()}
+            if spec is not None:  # what the codec sends; the rest stays in the live model (sparse.keep_residual)
+                _, sent = encode(changes[i], spec)
+                unsent[i] = {n: changes[i][n] - sent[n] for n in sent}
+                changes[i] = sent
         new = outer(synced, changes, owners, arm, skipped)
         fetched.append(len(chosen) * (1 - 1 / args.peers))  # a drawn peer fetches the others, the rest all
         for i, t in enumerate(peers):
-            if i in changes or arm == "discard":
+            if i in unsent:
+                _load(t, {n: new[n] + unsent[i][n] if n in unsent[i] else new[n] for n in new})
+            elif i in changes or arm == "discard":
                 _load(t, new)  # its change is in the new values (or dropped)
             else:  # keeps what it trained: its owned experts and the shared tensors move by the round's change
                 live = _values(t, range(num_experts))
@@ -181,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--every", type=int, default=10, help="training steps per round (sync.every)")
     p.add_argument("--eval-every", type=int, default=5, help="rounds between held-out evaluations")
+    p.add_argument("--seed", type=int, default=0, help="model init, data orders and draws (0: the recorded runs)")
+    p.add_argument("--codec", choices=("none", "sparse"), default="none",
+                   help="changes as sent: fp32, or the sparse codec with the unsent part kept (not for gossip)")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--out", type=Path, default=None, help="folder for results.json (default: a temp folder)")
     args = p.parse_args(argv)
@@ -189,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not 1 <= args.contributors <= args.peers or min(args.rounds, args.every, args.eval_every) < 1:
         p.error(f"unknown arm {bad[0]!r} (choose from {', '.join(ARMS)})" if bad else
                 "--contributors must be 1..--peers; --rounds, --every and --eval-every at least 1")
+    if args.codec != "none" and "gossip" in arms:
+        p.error("--codec sparse has no gossip arm (no synchronized values to measure a change from)")
     setup_logging()
     set_threads(1)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-lottery-"))
@@ -203,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                   "arms": results}, indent=1))
     sys.stdout.write(f"{args.peers} peers, {args.contributors} drawn per round, {args.rounds} rounds of {args.every} "
-                     f"steps, {args.experts_per_peer} experts per peer\n")
+                     f"steps, {args.experts_per_peer} experts per peer, seed {args.seed}, codec {args.codec}\n")
     sys.stdout.write(format_table(["arm", "held-out loss at 25 %", "at 50 %", "at 100 %", "÷ all (100 %)",
                                    "contributions fetched per peer per round"], rows) + "\n")
     return 0

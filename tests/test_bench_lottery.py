@@ -59,3 +59,8 @@ def test_smoke_prints_every_arm_and_writes_the_losses(tmp_path, capsys):
     assert results["mean"]["fetched_per_round"] == pytest.approx(2 / 3)
     assert results["gossip"]["fetched_per_round"] == 1
     assert all(len(r["losses"]) == 2 for r in results.values())
+    assert main(["--peers", "2", "--contributors", "1", "--rounds", "1", "--every", "1", "--codec", "sparse",
+                 "--arms", "all,discard", "--out", str(tmp_path / "sparse")]) == 0
+    assert "codec sparse" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--codec", "sparse", "--arms", "gossip"])
