@@ -11,7 +11,8 @@ the drawn ones' changes are weighed. This bench answers it for the outer rule al
 peer is a real `peer.train.Trainer` on configs/tiny.yaml with its own data order, owning `--experts-per-peer`
 experts (peer i: experts i, i+1, ... mod E), training `--every` steps per round on them and the shared tensors.
 A peer's change is its live values minus the last synchronized ones (shared tensors and owned experts); with
-`--codec sparse` it is sent through the run's codec (sync/sparse.py) and the unsent part stays in the live model.
+`--codec sparse` it is sent through the run's codec (sync/sparse.py) and the unsent part stays in the live model,
+also over the rounds a `discard` peer is not drawn (error feedback).
 
 Arms (the draw: the C peers with the lowest sha256(round, peer) tickets):
   all      every peer contributes every round; synchronized += mean of the changes (each expert: over its owners),
@@ -136,6 +137,7 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         _load(t, synced)
         t.set_owned_experts(owners[i])
     skipped = {i: 0 for i in range(args.peers)}
+    unsent: dict[int, Values] = {}  # --codec sparse: each peer's part of its last change the codec did not send
     losses: dict[int, float] = {}
     fetched = []
     for round_id in range(1, args.rounds + 1):
@@ -155,21 +157,19 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for i in skipped:
             skipped[i] += 1
         chosen = list(range(args.peers)) if arm == "all" else drawn(draw, args.peers, args.contributors)
-        changes, unsent = {}, {}
+        changes = {}
         for i in chosen:
             live = _values(peers[i], owners[i])
             changes[i] = {n: v - synced[n] for n, v in live.items()}
             if spec is not None:  # what the codec sends; the rest stays in the live model (sparse.keep_residual)
                 _, sent = encode(changes[i], spec)
-                unsent[i] = {n: changes[i][n] - sent[n] for n in sent}
+                unsent[i] = {n: changes[i][n] - sent[n] for n in sent}  # until it is drawn again
                 changes[i] = sent
         new = outer(synced, changes, owners, arm, skipped)
         fetched.append(len(chosen) * (1 - 1 / args.peers))  # a drawn peer fetches the others, the rest all
         for i, t in enumerate(peers):
-            if i in unsent:
-                _load(t, {n: new[n] + unsent[i][n] if n in unsent[i] else new[n] for n in new})
-            elif i in changes or arm == "discard":
-                _load(t, new)  # its change is in the new values (or dropped)
+            if i in changes or arm == "discard":  # its change is in the new values (or dropped), not its unsent part
+                _load(t, {n: new[n] + unsent[i][n] if n in unsent.get(i, {}) else new[n] for n in new})
             else:  # keeps what it trained: its owned experts and the shared tensors move by the round's change
                 live = _values(t, range(num_experts))
                 _load(t, {n: (live[n] + new[n] - synced[n]) if n.startswith("s/") or int(n[1:n.index("/")])
