@@ -22,7 +22,8 @@ Arms (the draw: the C peers with the lowest sha256(round, peer) tickets):
   scaled   as mean, but synchronized += sum of the changes / sum of k_i, k_i the rounds since peer i last
            contributed (its change holds k_i rounds of training): with everyone drawn it is `all`.
   perround as mean, but synchronized += the mean of change_i / k_i: each drawn peer's change per round trained.
-  discard  as mean, but a peer not drawn drops its round's training (live := synchronized).
+  discard  as mean, but a peer not drawn drops its round's training (live := synchronized, plus with --codec
+           sparse the unsent part of its last change).
   gossip   no draw and no common synchronized model: every peer averages its live values with those of C other
            peers of its own random choice (each expert over the owners among them), as gossip averaging does;
            the loss is the mean over the peers' models.
