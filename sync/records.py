@@ -122,7 +122,16 @@ def create_identity(identity_path: str) -> bool:
     os.close(fd)
     try:
         P2P.generate_identity(temp)
-        os.link(temp, identity_path)
+        try:
+            os.link(temp, identity_path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links (some FAT and network mounts): exclusive create instead
+            with open(temp, "rb") as f:
+                key = f.read()
+            out = os.open(identity_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+            with os.fdopen(out, "wb") as f:
+                f.write(key)
         return True
     except FileExistsError:
         return False

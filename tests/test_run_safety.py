@@ -303,6 +303,22 @@ def test_processes_creating_one_identity_file_together_all_load_the_one_key(tmp_
     assert os.listdir(os.path.dirname(path)) == ["shared.key"]  # no temp file left behind
 
 
+@pytest.mark.unit
+def test_an_identity_is_created_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    from sync.admission import peer_id_from_identity
+    from sync.records import create_identity
+
+    def no_links(*_):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    path = str(tmp_path / "fat.key")
+    assert peer_id_from_identity(path, create=True) == peer_id_from_identity(path)
+    before = Path(path).read_bytes()
+    assert create_identity(path) is False and Path(path).read_bytes() == before
+    assert os.listdir(tmp_path) == ["fat.key"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_twin_peer_processes_started_together_one_exits_2_naming_the_identity(tmp_path, processes):
