@@ -52,6 +52,11 @@ SEED_STRIDE = 1_000_000  # --seed s draws as rounds s * SEED_STRIDE + 1, 2, ... 
 Values = dict[str, torch.Tensor]  # a model's synchronized tensors: "s/{i}" shared, "e{expert}/{name}" experts
 
 
+def _expert(name: str) -> int | None:
+    """The expert a Values name belongs to ("e3/..." -> 3), None for a shared tensor ("s/...")."""
+    return None if name.startswith("s/") else int(name[1:name.index("/")])
+
+
 def drawn(round_id: int, peers: int, contributors: int) -> list[int]:
     """The `contributors` peers of round `round_id` with the lowest tickets (every peer computes the same)."""
     def ticket(peer: int) -> bytes:
@@ -84,7 +89,7 @@ def outer(synced: Values, changes: dict[int, Values], owners: dict[int, list[int
     contributed, this one included (the `scaled` arm's k_i)."""
     new = dict(synced)
     for name in synced:
-        expert = None if name.startswith("s/") else int(name[1:name.index("/")])
+        expert = _expert(name)
         peers = [p for p in changes if expert is None or expert in owners[p]]
         if not peers:
             continue
@@ -105,7 +110,7 @@ def gossip(lives: list[Values], owners: dict[int, list[int]], contributors: int,
         group = [i] + random.Random(f"{round_id}/{i}").sample(others, min(contributors, len(others)))
         new = {}
         for name, value in live.items():
-            expert = None if name.startswith("s/") else int(name[1:name.index("/")])
+            expert = _expert(name)
             peers = [j for j in group if expert is None or expert in owners[j]]
             new[name] = sum(lives[j][name] for j in peers) / len(peers) if peers else value
         out.append(new)
@@ -173,8 +178,8 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 _load(t, {n: new[n] + unsent[i][n] if n in unsent.get(i, {}) else new[n] for n in new})
             else:  # keeps what it trained: its owned experts and the shared tensors move by the round's change
                 live = _values(t, range(num_experts))
-                _load(t, {n: (live[n] + new[n] - synced[n]) if n.startswith("s/") or int(n[1:n.index("/")])
-                          in owners[i] else new[n] for n in live})
+                _load(t, {n: live[n] + new[n] - synced[n] if _expert(n) in (None, *owners[i]) else new[n]
+                          for n in live})
         for i in changes:
             skipped[i] = 0
         synced = new

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import os
 import shutil
 import socket
 import time
@@ -152,8 +151,7 @@ def start_dht_node(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str]
         if run_id is not None:
             private_key = None
             if sign:
-                if not os.path.isfile(identity_path):
-                    create_identity(identity_path)  # what hivemind would do, but atomic; we need the key to sign
+                create_identity(identity_path)  # if missing: what hivemind would do, but atomic; we need the key
                 private_key = load_identity(identity_path)
             kwargs["record_validators"] = [RunRecordValidator(
                 run_id, num_experts or 2**16, private_key=private_key, record_ttl=record_ttl,

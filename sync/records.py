@@ -118,25 +118,33 @@ def create_identity(identity_path: str) -> bool:
     overwrites: two processes started together with one path both end up with the one key that landed first.
     (hivemind's generate_identity truncates and rewrites the path: each process would load its own key, or half
     of the other's file, and the two would run as unrelated peers sharing one identity file.)"""
+    if os.path.exists(identity_path):
+        return False  # no RSA key generated for nothing
     fd, temp = tempfile.mkstemp(prefix=".identity-", dir=os.path.dirname(os.path.abspath(identity_path)))
     os.close(fd)
     try:
         P2P.generate_identity(temp)
         try:
             os.link(temp, identity_path)
+            return True
         except FileExistsError:
-            raise
+            return False
         except OSError:  # a file system without hard links (some FAT and network mounts): exclusive create instead
             with open(temp, "rb") as f:
-                key = f.read()
-            out = os.open(identity_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
-            with os.fdopen(out, "wb") as f:
-                f.write(key)
-        return True
-    except FileExistsError:
-        return False
+                return _create_exclusive(identity_path, f.read())
     finally:
         os.unlink(temp)
+
+
+def _create_exclusive(path: str, data: bytes) -> bool:
+    """Write `data` to a new file at `path` (mode 0400); False if a file is there already."""
+    try:
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    except FileExistsError:
+        return False
+    with os.fdopen(out, "wb") as f:
+        f.write(data)
+    return True
 
 
 def ephemeral_identity() -> tuple[str, str]:
