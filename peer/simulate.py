@@ -11,9 +11,9 @@ The first N peers own ceil(2E / N) experts each, in turn; with `--churn f`, afte
 leave cleanly and as many fresh ones join with `--experts auto` (Swarm.choose_auto).
 
 Every `--report-every` rounds a table row: live peers, experts covered (min / max owners), rounds completed,
-contributions aggregated per peer, round seconds; per peer per round (round start to round start): blob bytes
-sent + received, DHT record reads / stores and records per read, and the DHT requests its node sent with their
-bytes both ways (sync.hivemind_private.count_dht_rpcs); and how many different synchronized states the peers
+peers drawn per round (`--contributors C`: about C of N contribute, sync/draw.py), contributions aggregated per
+peer, round seconds; per peer per round (round start to round start): blob bytes sent + received, DHT record
+reads / stores and records per read, and the DHT requests its node sent with their bytes both ways (sync.hivemind_private.count_dht_rpcs); and how many different synchronized states the peers
 that completed the same round hold (1: no divergence). `--out DIR` writes simulate.json and simulate.png
 (`pip install -e ".[plot]"`) there.
 Peers, DHT nodes and p2pd daemons are all shut down on exit, also on Ctrl-C.
@@ -61,6 +61,7 @@ class SimConfig:
     round_timeout: float = 30.0
     matchmaking_time: float = 5.0
     interval: float = 0.0          # seconds of (simulated) training between rounds, in 10 steps; 0: back to back
+    contributors: int = 16         # sync.contributors of every peer (0: every peer contributes to every round)
 
     def check(self) -> None:
         if self.peers < 2:
@@ -73,6 +74,8 @@ class SimConfig:
             raise ValueError(f"--churn must be in [0, 1), got {self.churn}")
         if self.interval < 0:
             raise ValueError(f"--interval must be >= 0, got {self.interval}")
+        if self.contributors < 0:
+            raise ValueError(f"--contributors must be >= 0, got {self.contributors}")
 
 
 @dataclass
@@ -130,7 +133,8 @@ class Simulation:
         tiny = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["model"]
         self.model_cfg = ModelConfig(**{**tiny, "num_experts": cfg.experts})
         self.sync_cfg = SyncConfig(every=STEPS, compression=cfg.compression, round_timeout=cfg.round_timeout,
-                                   matchmaking_time=cfg.matchmaking_time, record_ttl=10.0)
+                                   matchmaking_time=cfg.matchmaking_time, record_ttl=10.0,
+                                   contributors=cfg.contributors)
         self.per_peer = min(cfg.experts, math.ceil(2 * cfg.experts / cfg.peers))
         self.rng = random.Random(cfg.seed)
         self.peers: list[SimPeer] = []
@@ -233,6 +237,7 @@ class Simulation:
             delta = {k: rpc.get(k, 0) - rpc0.get(k, 0) for k in ("requests", "sent", "received")}
             stats.append({"dht_requests": delta["requests"], "dht_bytes": delta["sent"] + delta["received"],
                           "round_id": report.round_id if report else None, "group": report.group_size if report else 0,
+                          "drawn": bool(report and report.contributed),
                           "seconds": report.seconds if report else None, "bytes": now_bytes - b,
                           "reads": peer.reads - r, "stores": peer.stores - s, "records": peer.records_read - rr,
                           "digest": peer.sync.synced_digest})
@@ -292,6 +297,7 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
             "covered": sum(n > 0 for n in owners.values()), "experts": len(owners),
             "min_owners": min(owners.values()), "max_owners": max(owners.values()),
             "group": statistics.fmean(s["group"] for s in stats),
+            "drawn": sum(s["drawn"] for s in stats) / max(1, len(window)),
             "round_s": statistics.median(seconds) if seconds else None,
             "kb_per_peer_round": statistics.fmean(s["bytes"] for s in stats) / 1e3,
             "reads_per_peer_round": statistics.fmean(s["reads"] for s in stats),
@@ -304,7 +310,7 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
 
 HEAD = [("rounds", "rounds", "d"), ("live", "live", "d"), ("left", "left", "d"), ("joined", "joined", "d"),
         ("covered", "covered", "d"), ("min_owners", "min owners", "d"), ("max_owners", "max owners", "d"),
-        ("group", "group", ".1f"), ("round_s", "round s", ".2f"), ("kb_per_peer_round", "KB/peer/round", ".1f"),
+        ("drawn", "drawn", ".1f"), ("group", "group", ".1f"), ("round_s", "round s", ".2f"), ("kb_per_peer_round", "KB/peer/round", ".1f"),
         ("reads_per_peer_round", "reads/peer/round", ".1f"), ("stores_per_peer_round", "stores/peer/round", ".1f"),
         ("records_per_read", "records/read", ".1f"), ("dht_kb_per_peer_round", "DHT KB/peer/round", ".1f"),
         ("dht_requests_per_peer_round", "DHT requests/peer/round", ".0f"), ("distinct_states", "states", "d")]
@@ -356,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of training between rounds, in 10 steps (default 0: rounds back to back)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--compression", default=d.compression, help="sync.compression of every peer")
+    p.add_argument("--contributors", type=int, default=d.contributors,
+                   help=f"sync.contributors of every peer: about this many contribute to a round (default "
+                        f"{d.contributors}; 0: all)")
     p.add_argument("--out", metavar="DIR", help="write simulate.json and simulate.png here")
     return p
 
@@ -367,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = SimConfig(peers=args.peers, rounds=args.rounds, experts=args.experts, churn=args.churn,
                     report_every=args.report_every, seed=args.seed, compression=args.compression,
-                    interval=args.interval)
+                    interval=args.interval, contributors=args.contributors)
     try:
         cfg.check()
     except ValueError as e:

@@ -103,7 +103,7 @@ class Applying:
     def _track_alone(self, report: "RoundReport") -> None:
         """A warning (and spes_sync_alone_rounds) when this peer keeps aggregating alone while others exist:
         e.g. every contribution it fetches is refused, or its records cannot be read (issue 9, "Visibility")."""
-        if report.peers_seen > 1 and report.group_size <= 1:
+        if report.peers_seen > 1 and report.others_aggregated == 0:
             self.rounds_alone += 1
             if self.rounds_alone % self.cfg.alone_warn_rounds == 0:
                 logger.warning(f"aggregated no other peer's contribution for {self.rounds_alone} rounds in a row although "
@@ -114,11 +114,10 @@ class Applying:
     def _adopt(self, records: dict[str, PeerRecord], averaged: set[int], cut_off: bool) -> tuple[list[int], list[int]]:
         """Ownership changes after a round (sync.ownership): give adopted experts back to an owner that returned,
         adopt orphans. Returns (adopted, given back). Owners by deeds: a record that claimed experts for
-        OWNER_GRACE rounds without a contribution reaching this peer counts as no owner (credible_owners)."""
-        for peer_id in records:
-            self._first_seen.setdefault(peer_id, self.round_id)
-        credible = credible_owners(records, self._delivered_ever | {self.swarm.peer_id}, self._first_seen,
-                                   self.round_id, OWNER_GRACE)
+        OWNER_GRACE rounds it was surely drawn in without a contribution reaching this peer counts as no owner
+        (credible_owners, sync/draw.py)."""
+        credible = credible_owners(records, self._delivered_ever | {self.swarm.peer_id}, self._count_chances(records),
+                                   OWNER_GRACE)
         unserved = set(records) - set(credible)
         self.unserved_claims = len(unserved)
         new = sorted(unserved - self._discounted)

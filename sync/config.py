@@ -54,6 +54,10 @@ class SyncConfig:
     # DiLoCo outer optimizer (outer: nesterov): SGD with Nesterov momentum on the pseudo-gradient.
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # Contributions per round (sync/draw.py): with more live peers than this, a peer contributes to a round only
+    # when drawn (about this many are), and a peer fetches about this many blobs per round whatever the run's
+    # size; one not drawn drops what it trained in the round. 0: every peer contributes to every round.
+    contributors: int = 16
     # Most experts a peer may own after adopting orphans; 0 = no limit.
     max_experts_per_peer: int = 0
     # Seconds: the most a round waits for announcements (round_timeout), and for the others' contributions to
@@ -121,6 +125,8 @@ class SyncConfig:
                 raise ValueError(f"sync.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"sync.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.contributors < 0:
+            raise ValueError(f"sync.contributors must be >= 0, got {self.contributors}")
         if self.max_experts_per_peer < 0:
             raise ValueError(f"sync.max_experts_per_peer must be >= 0, got {self.max_experts_per_peer}")
         if self.wait_for_peers < 0:

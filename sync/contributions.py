@@ -25,23 +25,22 @@ Blob tensor names: "s/{shared parameter name}" and "e{expert}/{expert tensor nam
 from __future__ import annotations
 
 import math
-import random
 import time
 from typing import TYPE_CHECKING
 
 import torch
-from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.codec import SHARED_KEY
-from sync.aggregate import (Announcement, aggregate, change_within, contributors, fetch_deadline,
-                            norm64, rounds_to_skip)
+from sync.aggregate import Announcement, aggregate, change_within, norm64
 from sync.contrib_exchange import ContributionExchange
 from sync.delta import apply_rebased_
+from sync.draw import Drawing
+from sync.gather import Gathering
 from sync.records import MAX_BLOB_BYTES
 from sync.repair import Repair
 from sync.sourcelog import SourceLog
-from sync.sparse import CodecError, SparseSpec, blob_digest, decode, encode, encoded_size
+from sync.sparse import CodecError, SparseSpec, blob_digest, decode, encode
 
 if TYPE_CHECKING:
     from sync.peer_record import PeerRecord
@@ -50,22 +49,17 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 Snapshot = dict[str, torch.Tensor]
-# Where an unmeasured download rate starts: a 20 Mbit/s home line (bytes per second).
-DEFAULT_RATE = 20e6 / 8
-# The shortest wait for blobs once announced: a request's round trip and a small blob's stream.
-MIN_FETCH_SECONDS = 2.0
-# How many sources a blob is asked from: its origin, then peers that may hold it already.
-SOURCES_PER_BLOB = 3
 METHOD_OF = {"none": "fp32", "fp16": "fp16", "8bit": "8bit", "sparse": "sparse"}
 
 
-class Contributions(Repair):
+class Contributions(Repair, Gathering, Drawing):
     """Mixin of SparseSync (sync/rounds.py): the contribution round. Uses `model`, `swarm`, `cfg`, `shared`
     (sync/shared_tensors.py: `params`, `snapshot`, `synced`, `momentum`), `exchange`, `_expert_synced`,
     `rejects`, `max_weight`, `gate`, `round_id`."""
 
     def _init_contributions(self) -> None:
         self._init_repair()
+        self._init_drawing()
         self.exchange.synced_provider = self._serve_synced
         sp = self.cfg.sparse
         self._spec = SparseSpec(method=METHOD_OF[self.cfg.compression], chunk=sp.chunk, topk=sp.topk, bits=sp.bits)
@@ -82,7 +76,6 @@ class Contributions(Repair):
         self._misses: dict[str, int] = {}
         self._skip_until: dict[str, int] = {}
         self._delivered_ever: set[str] = set()
-        self._first_seen: dict[str, int] = {}  # peer -> the round its record was first read (sync.applying._adopt)
         self._discounted: set[str] = set()  # peers already logged as claimants without deeds
         self._source_log = SourceLog()  # one line per misbehaving peer per minute (the counters count every time)
         self.unserved_claims = 0  # live records claiming experts, not owners by deeds (spes_unserved_claims)
@@ -144,12 +137,13 @@ class Contributions(Repair):
         # What did not go out is sent later (error feedback); the residual of an expert no longer owned is dropped.
         # An expert nobody else owns needs none: its owner keeps training its own values (_live_updates), so the
         # part not sent yet stays in (live - synchronized) and goes out in later rounds by itself.
-        residuals = {name: deltas[name].sub_(decoded[name]) for name in deltas
-                     if not (name.startswith("e") and int(name[1:name.index("/")]) in solo)}
+        unsent = {name: deltas[name].sub_(decoded[name]) for name in deltas}
         # sync.sparse.keep_residual: what was not sent stays in the live model (_apply_contributions,
-        # _live_updates) instead of in a separate error feedback.
-        self._ef = {} if keep else residuals
-        self._kept = residuals if keep else {}
+        # _live_updates) instead of in a separate error feedback; kept for a sole owner's experts too, for the
+        # rounds this peer is not drawn in (sync/draw.py: then its live model goes back to synchronized + this).
+        self._ef = {} if keep else {name: v for name, v in unsent.items()
+                                    if not (name.startswith("e") and int(name[1:name.index("/")]) in solo)}
+        self._kept = unsent if keep else {}
         digest = blob_digest(blob)
         self._own_blob = (self.round_id, digest, decoded)
         self.contrib_exchange.publish(self.round_id, blob, digest)
@@ -165,12 +159,18 @@ class Contributions(Repair):
         """The network part of a contribution round. Returns (records read, {expert: new synchronized value});
         the records are {} when the read was incomplete (SparseSync._checked_read: no ownership change)."""
         started = time.perf_counter()
-        size, digest, expert_bytes = self._contribute(own, weight)
-        self._expert_share = expert_bytes / max(size, 1)  # splits the served bytes by kind (contribution_bytes)
-        newest = self.swarm.record.contrib  # announced on as `prev`: a peer still gathering that round finds it
-        self.swarm.publish(wait=False, experts=sorted(own), round=self.round_id, step=step, tokens=tokens,
-                           contrib=[self.round_id, size, digest, int(weight), sorted(own)],
-                           prev=list(newest) if newest and newest[0] < self.round_id else [])
+        drawn = report.contributed = self._decide_draw(others_at_start if others_at_start is not None
+                                                       else self._others())
+        if drawn:
+            size, digest, expert_bytes = self._contribute(own, weight)
+            self._expert_share = expert_bytes / max(size, 1)  # splits the served bytes by kind (contribution_bytes)
+            newest = self.swarm.record.contrib  # announced on as `prev`: a peer still gathering that round finds it
+            self.swarm.publish(wait=False, experts=sorted(own), round=self.round_id, step=step, tokens=tokens,
+                               contrib=[self.round_id, size, digest, int(weight), sorted(own)],
+                               prev=list(newest) if newest and newest[0] < self.round_id else [])
+        else:  # its record at this round without a contribution to it says so: nobody waits for it (sync/draw.py)
+            self._own_blob, digest = None, ""
+            self.swarm.publish(wait=False, experts=sorted(own), round=self.round_id, step=step, tokens=tokens)
         report.timing["contribute"] = time.perf_counter() - started
         # Waiting, all of it, is bounded: announcements within round_timeout, blobs by matchmaking_time more.
         ends = time.monotonic() + self.cfg.round_timeout + self.cfg.matchmaking_time
@@ -182,8 +182,8 @@ class Contributions(Repair):
         blobs = self._fetch_blobs(announced, ends)
         report.timing["gather"] = time.perf_counter() - gathering
         aggregating = time.perf_counter()
-        decoded = {self.swarm.peer_id: self._own_blob[2]}
-        weights = {self.swarm.peer_id: float(weight)}
+        decoded = {self.swarm.peer_id: self._own_blob[2]} if drawn else {}
+        weights = {self.swarm.peer_id: float(weight)} if drawn else {}
         for peer_id, blob in blobs.items():
             ann = announced[peer_id]
             shapes = self._expected_shapes(ann.experts)
@@ -203,23 +203,23 @@ class Contributions(Repair):
                     logger.warning(f"refused the contribution of peer ...{peer_id[-6:]} to round {self.round_id}: {e}")
                 self._missed(peer_id, "sent an undecodable contribution")
         report.group_size = len(decoded)
-        report.expected = len(announced) + 1
+        report.expected = len(announced) + int(drawn)
         report.base_digest = self._base_digest
-        report.blobs = sorted([digest] + [announced[p].digest for p in decoded if p != self.swarm.peer_id])
+        report.blobs = sorted([digest] * drawn + [announced[p].digest for p in decoded if p != self.swarm.peer_id])
         self._shared_result = self._aggregate_shared(decoded, weights)
         # A single owner's expert change is judged against how much an honest round changes things: the
         # contributors' median relative change (each one's largest over its shared tensors and experts), the same
         # number on every peer that got the same contributions (this peer's own round would make peers decide
         # differently, and their synchronized tensors differ); one liar among three or more cannot move it.
         experts_of = {p: a.experts for p, a in announced.items()}
-        experts_of[self.swarm.peer_id] = tuple(sorted(own))
+        experts_of[self.swarm.peer_id] = tuple(sorted(own)) if drawn else ()
         # The references' norms once per round, not once per contributor (a full pass over the model each).
         ref_norms = {e: max(norm64(self._repaired_expert(e).values()), 1e-12)
                      for e in sorted({e for p in decoded for e in experts_of.get(p, ())})}
         shared_norm = max(norm64(self.shared.synced), 1e-12)
         rel = sorted(self._relative_change_of(d, experts_of.get(p, ()), shared_norm, ref_norms)
                      for p, d in decoded.items())
-        means = self._aggregate_experts(decoded, weights, announced, own, rel[len(rel) // 2])
+        means = self._aggregate_experts(decoded, weights, announced, own, rel[len(rel) // 2] if rel else 0.0)
         report.timing["aggregate"] = time.perf_counter() - aggregating
         records, others = self._checked_read(report, records, others_at_start)
         owned_elsewhere = {e for r in others.values() for e in r.experts} - set(own)
@@ -236,8 +236,13 @@ class Contributions(Repair):
     def _live_updates(self, means: dict[int, Snapshot]) -> dict[int, Snapshot]:
         """The experts whose new synchronized value the live model takes: all but those only this peer
         contributed to this round. Their owner keeps its own values (ahead of what the others hold by what
-        compression has not sent yet); every other peer holds, and every digest covers, the synchronized value."""
+        compression has not sent yet); every other peer holds, and every digest covers, the synchronized value.
+        A peer not drawn (sync/draw.py) drops its round's training: every expert it owns takes its synchronized
+        value (plus the unsent part of its last contribution)."""
         out = {}
+        if not self.contributing:
+            means = {**{e: self._expert_synced[e] for e in self.model.owned_experts if e in self._expert_synced},
+                     **means}
         for expert, mean in means.items():
             if expert in self._solo:
                 continue
@@ -262,109 +267,10 @@ class Contributions(Repair):
                 shapes[f"e{expert}/{k}"] = tuple(t.shape)
         return shapes
 
-    def _await_announcements(self, report: "RoundReport") -> tuple[dict[str, "PeerRecord"], dict[str, Announcement]]:
-        """Read the records until every live peer announced this round, at most matchmaking_time, or longer for a
-        peer whose record says when it expects to be ready for this round (`due`, sync.schedule): until then plus
-        matchmaking_time, within round_timeout. A slower honest peer's contribution so counts in the round it
-        trained for; nobody waits beyond that, and a peer that was at this round and announced nothing by then
-        is struck (sync.aggregate.rounds_to_skip)."""
-        start = time.monotonic()
-        base = start + self.cfg.matchmaking_time
-        while True:
-            records = self.swarm.peers()
-            others = self._others(records)
-            announced = contributors({p: r.announcement(self.round_id) for p, r in others.items()}, self.round_id)
-            announced = {p: a for p, a in announced.items() if not self._skipped(p)}
-            # A peer that never delivered a contribution and missed once (a record with nothing behind it) is
-            # not waited for again: it costs one wait, not one every few rounds. Nor is a record read in an
-            # earlier round that never announced any (ghost identities claiming experts): an honest joiner
-            # announces its first in its first round, and what it announces in time still counts.
-            waiting = {p: r for p, r in others.items() if p not in announced and r.round <= self.round_id
-                       and not self._skipped(p)
-                       and not (self._misses.get(p) and p not in self._delivered_ever)
-                       and not (not r.contrib and self._first_seen.get(p, self.round_id) < self.round_id)}
-            now, dht_now = time.monotonic(), get_dht_time()
-            until = base
-            for r in waiting.values():
-                if r.due and r.due[0] == self.round_id:
-                    until = max(until, now + (float(r.due[1]) - dht_now) + self.cfg.matchmaking_time)
-            until = min(until, start + self.cfg.round_timeout)
-            if not waiting or now >= until or self._leaving:
-                for peer_id, r in waiting.items():
-                    # At this round and silent, or promised to be ready for it (`due`) and was not: struck. One
-                    # behind without a promise may still be training; behind and silent in the previous round too,
-                    # with a record that did not move on or a peer that never delivered, it is struck as well (a
-                    # record with nothing behind it costs one wait, not one per round).
-                    last = self._silent_behind.get(peer_id)
-                    stuck = last is not None and last[0] == self.round_id - 1 and (
-                        last[1] == r.round or peer_id not in self._delivered_ever)
-                    if r.round == self.round_id or (r.due and r.due[0] == self.round_id) or stuck:
-                        self._missed(peer_id, "announced no contribution in time")
-                    else:
-                        self._silent_behind[peer_id] = (self.round_id, r.round)
-                return records, announced
-            time.sleep(0.2)
-
-    def _skipped(self, peer_id: str) -> bool:
-        return self._skip_until.get(peer_id, 0) > self.round_id
-
-    def _missed(self, peer_id: str, why: str) -> None:
-        strikes = self._misses[peer_id] = self._misses.get(peer_id, 0) + 1
-        skip = rounds_to_skip(strikes)
-        self._skip_until[peer_id] = self.round_id + 1 + skip
-        if self._source_log.allow(peer_id):
-            logger.info(f"peer ...{peer_id[-6:]} {why} in round {self.round_id}: not waited for in the next "
-                        f"{skip} round(s)")
-
-    def _delivered(self, peer_id: str) -> None:
-        self._delivered_ever.add(peer_id)
-        self._silent_behind.pop(peer_id, None)
-        self._misses.pop(peer_id, None)
-        self._skip_until.pop(peer_id, None)
-
-    def _fetch_blobs(self, announced: dict[str, Announcement], ends: float) -> dict[str, bytes]:
-        if not announced:
-            return {}
-        requests = []
-        for origin, ann in list(announced.items()):
-            expected = encoded_size(self._expected_shapes(ann.experts), self._spec)
-            if ann.size != expected:  # the run's codec fixes every blob's size: nothing else is fetched
-                self.rejects.add("size")
-                self._missed(origin, f"announced a {ann.size}-byte contribution (the run's codec gives {expected})")
-                del announced[origin]
-                continue
-            holders = [p for p in announced if p != origin]
-            random.shuffle(holders)
-            requests.append(([origin] + holders[:SOURCES_PER_BLOB - 1], origin, ann.round, ann.size, ann.digest))
-        if not requests:
-            return {}
-        total = sum(a.size for a in announced.values())
-        wait = fetch_deadline(total, self._download_rate or DEFAULT_RATE, MIN_FETCH_SECONDS, self.cfg.round_timeout)
-        started = time.monotonic()
-        deadline = min(started + wait, max(ends, started + MIN_FETCH_SECONDS))
-        results = self.contrib_exchange.fetch_many(requests, deadline=deadline)
-        missing = lambda r: not isinstance(r, (bytes, bytearray)) and "digest" not in str(r)
-        late = [r for r in requests if missing(results[r[1]])]
-        # Most blobs not in by the deadline: this peer's own link or CPU is the likelier cause (a joiner's first
-        # connections, a busy machine), and aggregating without them makes it diverge for sure (a repair next
-        # round): those are asked again until the round's end. Peers serving garbage are never asked again.
-        if late and 2 * len(late) > len(requests) and time.monotonic() < ends:
-            results.update(self.contrib_exchange.fetch_many(late, deadline=ends))
-        blobs = {p: r for p, r in results.items() if isinstance(r, (bytes, bytearray))}
-        failed = {p: r for p, r in results.items() if p not in blobs}
-        for origin, result in failed.items():
-            self.rejects.add("missing" if missing(result) else "digest")
-            # Struck (not waited for next round) for garbage, or for silence while most others delivered; not
-            # for a failure that was most likely this peer's own.
-            if not missing(result) or 2 * len(failed) <= len(results):
-                self._missed(origin, f"served no valid contribution ({result})")
-        got = sum(len(b) for b in blobs.values())
-        if got and blobs:
-            self._download_rate = got / max(time.monotonic() - started, 1e-3)
-        return blobs
-
     def _aggregate_shared(self, decoded: dict[str, Snapshot], weights: dict[str, float]) -> dict[str, torch.Tensor]:
         order = sorted(decoded)
+        if not order:  # nobody drawn delivered (sync/draw.py): the synchronized values stay
+            return {}
         mean, scales = aggregate([decoded[p] for p in order], [weights[p] for p in order], self.max_weight,
                                  self._shared_names)
         self._note_left_out(order, scales, "shared tensors")
@@ -383,7 +289,7 @@ class Contributions(Repair):
                            rel_change: float) -> dict[int, Snapshot]:
         """Each expert's new synchronized value from its owners' deltas (this peer's own included)."""
         experts_of = {p: set(a.experts) for p, a in announced.items()}
-        experts_of[self.swarm.peer_id] = set(own)
+        experts_of[self.swarm.peer_id] = set(own) if self.contributing else set()
         means: dict[int, Snapshot] = {}
         self._solo = set()
         for expert in range(self.model.cfg.num_experts):
@@ -425,29 +331,34 @@ class Contributions(Repair):
         self._apply_repair()
         result, self._shared_result = self._shared_result, None
         refused = 0
-        own = self._own_blob[2] if self.cfg.sparse.keep_residual and self._own_blob is not None else None
-        if result:
-            lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-            nesterov = self.shared.momentum is not None
-            for i, (name, param, snap, synced) in enumerate(zip(self._shared_names, self.shared.params,
-                                                                 self.shared.snapshot, self.shared.synced)):
-                agg = result[name]
-                if not bool(torch.isfinite(agg).all()):
-                    refused += 1
-                    self.rejects.add("nonfinite")
-                    continue
+        keep = self.cfg.sparse.keep_residual
+        own = self._own_blob[2] if keep and self.contributing and self._own_blob is not None else None
+        if not result and self.contributing:
+            return refused
+        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+        nesterov = self.shared.momentum is not None
+        for i, (name, param, snap, synced) in enumerate(zip(self._shared_names, self.shared.params,
+                                                             self.shared.snapshot, self.shared.synced)):
+            agg = result.get(name) if result else None
+            if agg is not None and not bool(torch.isfinite(agg).all()):
+                refused += 1
+                self.rejects.add("nonfinite")
+                continue
+            if self.contributing:
                 # sync.sparse.keep_residual: the part of its own change not sent yet stays in its live model
                 # (then it needs no error feedback: it is in live - synchronized, like a sole owner's expert).
                 residual = snap.sub(synced).sub(own[name]) if own is not None else None
-                if nesterov:  # DiLoCo's outer step on the pseudo-gradient -agg; separate IEEE operations, so
-                    # every peer computes the same bits (sync/aggregate.py, "Determinism")
-                    buf = self.shared.momentum[i]
-                    buf.mul_(mu).sub_(agg)
-                    synced.add_(agg.sub(buf.mul(mu)).mul(lr))
-                    self.shared.anchor[i].copy_(synced)
-                else:
-                    synced.add_(agg)
-                apply_rebased_(param, synced if residual is None else synced.add(residual), snap)
+            else:  # not drawn (sync/draw.py): its round's training goes, not what its codec has not sent yet
+                residual = self._kept.get(name) if keep else None
+            if agg is not None and nesterov:  # DiLoCo's outer step on the pseudo-gradient -agg; separate IEEE
+                # operations, so every peer computes the same bits (sync/aggregate.py, "Determinism")
+                buf = self.shared.momentum[i]
+                buf.mul_(mu).sub_(agg)
+                synced.add_(agg.sub(buf.mul(mu)).mul(lr))
+                self.shared.anchor[i].copy_(synced)
+            elif agg is not None:
+                synced.add_(agg)
+            apply_rebased_(param, synced if residual is None else synced.add(residual), snap)
         return refused
 
     def _after_contribution_apply(self) -> None:

@@ -168,7 +168,8 @@ def proven_round(records: dict[str, "PeerRecord"], delivered: set[str]) -> int |
     return median_round(r for r in records.values() if r.contrib)
 
 
-# Rounds a new record may claim experts before a contribution of it must have arrived (credible_owners).
+# Rounds a new record may claim experts (surely drawn ones, sync.draw) before a contribution of it must have
+# arrived (credible_owners).
 OWNER_GRACE = 3
 
 
@@ -184,12 +185,13 @@ def unserved_claimants(records: dict[str, "PeerRecord"], first_seen: dict[str, i
             if r.experts and not r.contrib and swarm_round - first_seen.get(p, swarm_round) >= grace}
 
 
-def credible_owners(records: dict[str, "PeerRecord"], delivered: set[str], first_seen: dict[str, int],
-                    round_id: int, grace: int) -> dict[str, "PeerRecord"]:
+def credible_owners(records: dict[str, "PeerRecord"], delivered: set[str], chances: dict[str, int],
+                    grace: int) -> dict[str, "PeerRecord"]:
     """The records that count as owners for coverage and hand-back: of peers whose contributions this peer
-    received, or first seen at most `grace` rounds ago (a joiner's first contribution is still on its way). A
-    record that claims experts for longer without delivering any is a claim, not an owner."""
-    return {p: r for p, r in records.items() if p in delivered or round_id - first_seen.get(p, round_id) <= grace}
+    received, or that had at most `grace` rounds to deliver one since first seen (`chances`: rounds in which they
+    were surely drawn, sync.draw; a joiner's first contribution is still on its way). A record that claims experts
+    for longer without delivering any is a claim, not an owner."""
+    return {p: r for p, r in records.items() if p in delivered or chances.get(p, 0) <= grace}
 
 
 def process_origin(started: float | None = None) -> list:

@@ -17,6 +17,7 @@ class RoundReport:
     rejected: int = 0
     peers_seen: int = 1                 # live peers in the run's records (this one included)
     expected: int = 1                   # contributions announced for this round, this peer's own included
+    contributed: bool = True            # this peer was drawn and contributed (sync/draw.py)
     adopted: list[int] = field(default_factory=list)
     given_back: list[int] = field(default_factory=list)  # adopted experts returned to their owner (it is back)
     cut_off: bool = False               # saw no other peer, and the run's initial peers did not answer
@@ -33,6 +34,11 @@ class RoundReport:
     base_digest: str = ""
     blobs: list[str] = field(default_factory=list)
     digest: str = ""
+
+    @property
+    def others_aggregated(self) -> int:
+        """Other peers' contributions aggregated this round (0: alone, or nobody else drawn delivered)."""
+        return self.group_size - int(self.contributed)
 
 
 @dataclass

@@ -249,7 +249,7 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
             logger.warning(f"the run's peer records read this round are incomplete ({len(others)} other peer(s), "
                            f"{report.group_size} contributions): no ownership change from them")
             return {}, {**(others_at_start or {}), **others}
-        if records and (not others or (report.group_size <= 1 and any(r.experts for r in others.values()))):
+        if records and (not others or (report.others_aggregated == 0 and any(r.experts for r in others.values()))):
             # Alone, or cut off from the run? Asked here, off the training thread (a ping). Also when owners'
             # records show but none of their contributions came: a cut-off peer still reads records it cached
             # until they expire, one after another, and would adopt the experts of the first to expire. (A
@@ -282,7 +282,10 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
             report.redownloaded = True
         else:
             report.rejected += self._apply_contributions()
-            synced = {e: means.get(e, snapshot) for e, snapshot in pending.own_snapshots.items()}
+            # An owned expert nobody contributed to keeps its value: this peer's own if it contributed (only
+            # this peer trains it, or its change was refused), else the last synchronized one (sync/draw.py).
+            kept = self._expert_synced if not self.contributing else {}
+            synced = {e: means.get(e, kept.get(e, snapshot)) for e, snapshot in pending.own_snapshots.items()}
             self._apply_experts(self._live_updates(means), pending.own_snapshots)
             merged_for = merge_step(pending.step, self.cfg.merge, since=self._merge_since)
             if merged_for is not None and synced:

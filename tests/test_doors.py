@@ -134,8 +134,9 @@ def test_a_claimant_that_never_delivered_is_no_owner_after_the_grace_rounds():
     from sync.peer_record import credible_owners
 
     records = {p: PeerRecord(p, [0]) for p in ("honest", "joiner", "ghost")}
-    first_seen = {"honest": 1, "joiner": 9, "ghost": 2}
-    credible = credible_owners(records, delivered={"honest"}, first_seen=first_seen, round_id=10, grace=3)
+    # Rounds each had to deliver in (surely drawn since first seen, sync.draw.count_chances).
+    chances = {"honest": 9, "joiner": 1, "ghost": 8}
+    credible = credible_owners(records, delivered={"honest"}, chances=chances, grace=3)
     assert set(credible) == {"honest", "joiner"}  # the joiner's first contribution may still be on its way
 
 
