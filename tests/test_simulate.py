@@ -1,5 +1,5 @@
 """peer.simulate (issue "Many peers"): 16 real peers in this process, with churn: every expert keeps two owners,
-every live peer completes the rounds, and all hold the same synchronized tensors."""
+every live peer completes the rounds, and all hold the same synchronized tensors; 12 with 3 drawn per round."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +24,34 @@ def test_sixteen_peers_with_churn_keep_coverage_and_agree():
         assert rows[-1]["min_owners"] >= 2, rows[-1]  # N = 2E: two owners per expert, also after the churn
         assert all(len(p.rounds) >= 1 for p in sim.peers)
         assert "records/read" in format_rows(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_twelve_peers_with_three_drawn_per_round_agree_and_the_others_drop_their_round():
+    """sync.contributors 3 of 12 (sync/draw.py): about 3 contribute to each round, every peer aggregates exactly
+    those, all hold the same tensors, coverage holds under churn, and a peer not drawn leaves its round's training
+    out of its live model but keeps its codec's unsent part: live = synchronized + kept, tensor for tensor."""
+    import torch
+
+    cfg = SimConfig(peers=12, rounds=5, experts=8, churn=1 / 12, report_every=1, matchmaking_time=15.0,
+                    contributors=3)
+    with Simulation(cfg) as sim:
+        rows, checked = [], 0
+        for row in sim.run():
+            rows.append(row)
+            assert row["distinct_states"] == 1 and row["covered"] == 8, row
+            assert 1 <= row["drawn"] <= 9 and row["group"] <= row["drawn"] + 1e-9, row
+            for peer in sim.peers:
+                sync = peer.sync
+                if sync.contributing or not sync._kept or not peer.rounds:
+                    continue
+                for name, param, synced in zip(sync._shared_names, sync.shared.params, sync.shared.synced):
+                    assert torch.allclose(param.detach(), synced + sync._kept[name], atol=1e-6), (peer.name, name)
+                checked += 1
+        assert sum(r["drawn"] for r in rows) <= 30  # bounded: 12 x 5 contributions without the draw
+        assert min(r["min_owners"] for r in rows[1:]) >= 1 and rows[-1]["min_owners"] >= 2, rows
+        assert checked >= 1  # some peer not drawn after it had contributed once
 
 
 @pytest.mark.unit
