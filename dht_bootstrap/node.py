@@ -183,6 +183,7 @@ class BootstrapNode:
         self.short_id = self.reader.peer_id[-6:]
         self.status = SwarmStatus.from_records({}, num_experts)
         self._first_seen: dict[str, int] = {}  # live peer -> the swarm's round when first read (unserved_claimants)
+        self._contributors: int | None = None  # the run's sync.contributors (sync/draw.py), from its settings
 
     def visible_maddrs(self) -> list[str]:
         return self.reader.visible_maddrs()
@@ -219,7 +220,15 @@ class BootstrapNode:
         swarm_round = proven_round(records, set())
         if swarm_round is not None:
             self._first_seen = {p: self._first_seen.get(p, swarm_round) for p in records}
-        unserved = unserved_claimants(records, self._first_seen, swarm_round)
+        if self._contributors is None and records:  # the run's sync.contributors, once its settings are found
+            try:
+                settings = self.reader.run_settings(records.values())[1]
+            except Exception as e:  # a failed read costs only this refresh's estimate; asked again next time
+                logger.debug(f"reading the run's settings: {e}")
+                settings = None
+            value = settings.get("sync.contributors") if settings else None
+            self._contributors = value if isinstance(value, int) and not isinstance(value, bool) else None
+        unserved = unserved_claimants(records, self._first_seen, swarm_round, contributors=self._contributors or 0)
         self.status = SwarmStatus.from_records(records, self.num_experts, len(unserved))
         if self.gauges is not None:
             self.gauges.update(self.status)

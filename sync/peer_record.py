@@ -174,13 +174,16 @@ OWNER_GRACE = 3
 
 
 def unserved_claimants(records: dict[str, "PeerRecord"], first_seen: dict[str, int], swarm_round: int | None,
-                       grace: int = OWNER_GRACE) -> set[str]:
+                       grace: int = OWNER_GRACE, contributors: int = 0) -> set[str]:
     """For an observer that fetches nothing (the bootstrap node): the records that claim experts and have never
     announced a contribution although the swarm's round moved `grace` rounds since they were first seen
-    (`first_seen`: peer -> swarm round then). A ghost that also forges announcements shows only to the peers
-    that fail to fetch them (credible_owners, spes_unserved_claims)."""
+    (`first_seen`: peer -> swarm round then); with the run's `sync.contributors` C below the N records, `grace`
+    times N / C rounds (a peer is drawn about once in N / C, sync/draw.py). A ghost that also forges announcements
+    shows only to the peers that fail to fetch them (credible_owners, spes_unserved_claims)."""
     if swarm_round is None:
         return set()
+    if 0 < contributors < len(records):
+        grace = grace * -(-len(records) // contributors)
     return {p for p, r in records.items()
             if r.experts and not r.contrib and swarm_round - first_seen.get(p, swarm_round) >= grace}
 

@@ -169,6 +169,9 @@ def test_the_bootstrap_counts_claimants_that_never_contributed_in_three_swarm_ro
     first_seen = {"honest": 1, "joiner": 4, "ghost": 2}
     assert unserved_claimants(records, first_seen, swarm_round=5) == {"ghost"}  # the joiner is 1 round in
     assert unserved_claimants(records, first_seen, swarm_round=None) == set()
+    # Drawn about once in N / C rounds (sync/draw.py): 3 records, 1 contributor per round, 3 x 3 rounds of grace.
+    assert unserved_claimants(records, first_seen, swarm_round=5, contributors=1) == set()
+    assert unserved_claimants(records, first_seen, swarm_round=12, contributors=1) == {"ghost"}
     status = SwarmStatus.from_records(records, num_experts=4, unserved=1)
     assert "1 claiming experts but never contributing" in status.line("run", "abc")
     assert "never contributing" not in SwarmStatus.from_records(records, num_experts=4).line("run", "abc")
