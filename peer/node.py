@@ -311,6 +311,7 @@ class PeerNode:
         # tools and tests that should not parse log text (peer.plot).
         line = {"round": report.round_id, "step": trainer.step, "time": time.time(), "seconds": report.seconds,
                 "blocked_s": report.blocked_seconds, "contributions": report.group_size, "peers": report.peers_seen,
+                "drawn": report.contributed,
                 "experts_synced": report.experts_synced, "missing": report.experts_missing,
                 "rejected": report.rejected, "adopted": report.adopted, "given_back": report.given_back,
                 "redownloaded": report.redownloaded, "merge_alpha": report.merge_alpha,
@@ -319,7 +320,8 @@ class PeerNode:
         with open(trainer.run_dir / "rounds.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} applied at step {trainer.step}: "
-                    f"shared group {report.group_size}, experts synced {len(report.experts_synced)}, "
+                    f"shared group {report.group_size}{'' if report.contributed else ' (not drawn: own round dropped)'}, "
+                    f"experts synced {len(report.experts_synced)}, "
                     f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "
                     f"adopted {report.adopted or 'none'}{f', gave back {report.given_back}' if report.given_back else ''}"
                     f"{', re-downloaded' if report.redownloaded else ''}"

@@ -249,7 +249,8 @@ def test_kept_residual_stays_in_the_live_model_and_goes_out_later(swarm_factory)
 
 @pytest.mark.slow
 def test_peer_processes_contribute_and_agree(tmp_path, processes):
-    """Three `python -m peer.run` processes with contribution rounds: they train and exit 0, and peers that added
+    """Three `python -m peer.run` processes with contribution rounds, 2 drawn per round (sync.contributors 2,
+    sync/draw.py): they train and exit 0, each was drawn in some rounds and not in others, and peers that added
     the same contributions to the same synchronized state hold the same bits after the round (rounds.jsonl's
     base_digest, blobs and digest). On two loaded cores a peer may miss another's contribution in some round
     (it was late) and be repaired a round later, so the test does not ask all three to agree in a given round;
@@ -261,12 +262,13 @@ def test_peer_processes_contribute_and_agree(tmp_path, processes):
         "--config", "configs/tiny.yaml", "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
         "--run-dir", str(tmp_path / f"peer{i}"), "--run-id", "contrib", "--max-steps", "60", "--sync-every", "10",
         "--set", "sync.compression=sparse",
-        "--set", "sync.sparse.keep_residual=true", "--set", "sync.matchmaking_time=3",
+        "--set", "sync.sparse.keep_residual=true", "--set", "sync.matchmaking_time=3", "--set", "sync.contributors=2",
         "--set", "train.eval_every=0", "--set", "sync.wait_for_peers=3"), log=tmp_path / f"peer{i}.log")
         for i in range(3)]
     for p in peers:
         p.wait(timeout=400)
     by_input: dict[tuple, dict[int, str]] = {}  # (round, base digest, blobs) -> {peer: digest after the round}
+    drawn: list[bool] = []
     for i, p in enumerate(peers):
         log = (tmp_path / f"peer{i}.log").read_text()
         assert p.returncode == 0, log[-3000:]
@@ -275,12 +277,14 @@ def test_peer_processes_contribute_and_agree(tmp_path, processes):
         # Every applied round has its structured line (rounds.jsonl), as the log line says it.
         rounds = [json.loads(l) for l in (tmp_path / f"peer{i}" / "rounds.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rounds] == sorted({r["round"] for r in rounds}) and len(rounds) >= 3, rounds
-        assert all(r["contributions"] >= 1 and r["seconds"] >= r["blocked_s"] >= 0 for r in rounds), rounds
+        assert all(r["contributions"] >= r["drawn"] and r["seconds"] >= r["blocked_s"] >= 0 for r in rounds), rounds
+        drawn += [r["drawn"] for r in rounds]
         assert all(len(r["blobs"]) == r["contributions"] and r["digest"] for r in rounds), rounds
         assert len(re.findall(r"round \d+ applied at step", log)) == len(rounds)
         for r in rounds:
             if r["base_digest"] and not r["redownloaded"] and r["contributions"] > 1:
                 by_input.setdefault((r["round"], r["base_digest"], tuple(r["blobs"])), {})[i] = r["digest"]
+    assert any(drawn) and not all(drawn), drawn  # 2 of 3 a round: (2/3)^(3 x rounds) to be drawn every time
     shared = {k: v for k, v in by_input.items() if len(v) >= 2}
     why = "\n".join(f"{k[0]} base {k[1][:6]} blobs {[b[:6] for b in k[2]]}: {v}" for k, v in sorted(by_input.items()))
     assert shared, why
