@@ -1,12 +1,14 @@
 """Rounds as signed, compressed contributions (docs/DESIGN.md, "Rounds as contributions"), the SparseSync side.
 
 A round, for each peer, with no group and no reducer:
-1. contribute (round thread): its change since the last synchronized values, per shared tensor and per expert
-   it owns, plus its error feedback, compressed (sync/sparse.py; `sync.compression`). What compression left out
-   stays in the error feedback for later rounds. The blob is served by this peer's ContributionExchange and its
-   round, size, sha256 and weight are announced in its signed DHT record (`contrib`);
-2. gather: it waits (at most `matchmaking_time`) until every live peer announced this round, then fetches every
-   announced blob (from its origin, or from a peer that already holds it: the digest from the signed record makes
+1. contribute (round thread), if drawn (sync/draw.py: in a run of more than `sync.contributors` peers about that
+   many are; one not drawn publishes its round without a contribution and drops its round's training at apply):
+   its change since the last synchronized values, per shared tensor and per expert it owns, plus its error
+   feedback, compressed (sync/sparse.py; `sync.compression`). What compression left out stays in the error
+   feedback for later rounds. The blob is served by this peer's ContributionExchange and its round, size, sha256
+   and weight are announced in its signed DHT record (`contrib`);
+2. gather (sync/gather.py): it waits (at most `matchmaking_time`) until every live peer that may be drawn
+   announced this round or reached it without a contribution, then fetches every announced blob (from its origin, or from a peer that already holds it: the digest from the signed record makes
    a passed-on blob as good as the origin's), until a deadline derived from the blobs' sizes and the measured
    download rate (at most `round_timeout`); a blob not in by then is left out of this round;
 3. aggregate (sync/aggregate.py): every contribution decoded strictly against the names and shapes this peer
