@@ -58,6 +58,29 @@ def test_sparse_rounds_keep_honest_peers_identical_and_move_every_expert(swarm_f
     assert all(p.sync.divergent_rounds == 0 for p in peers)
 
 
+def test_a_peer_contributing_every_round_counts_only_where_its_ticket_allows(swarm_factory):
+    """sync.contributors 1 (sync/draw.py): 3 honest peers and one that ignores the draw (contributors 0: it
+    contributes every round). Its contribution is aggregated exactly in the rounds its ticket is below 2C / N, so
+    a peer cannot count more often than the draw lets it; the honest peers agree every round."""
+    from sync.draw import ticket
+
+    honest = contrib_cfg(contributors=1)
+    peers = [swarm_factory([0, 1], honest), swarm_factory([2, 3], honest), swarm_factory([0, 1], honest),
+             swarm_factory([2, 3], contrib_cfg(contributors=0))]
+    greedy = peers[3]
+    for r in range(6):
+        for i, peer in enumerate(peers):
+            local_training(peer, seed=10 * r + i)
+        reports = round_all(peers)
+        assert greedy.sync.contributing and greedy.sync._own_blob[0] == reports[3].round_id
+        digest = greedy.sync._own_blob[1]
+        for peer, rep in zip(peers[:3], reports[:3]):
+            allowed = ticket(peer.swarm.run_id, rep.round_id, greedy.swarm.peer_id) < peer.sync._draw.accepted
+            assert peer.sync._draw.accepted == 0.5  # 2C / N: 2 x 1 / 4
+            assert (digest in rep.blobs) == allowed, (r, rep.blobs, allowed)
+        assert_identical(peers[:3])
+
+
 def test_uncompressed_contributions_average_the_shared_change(swarm_factory):
     cfg = contrib_cfg(compression="none")
     peers = [swarm_factory([0, 1], cfg), swarm_factory([2, 3], cfg), swarm_factory([0, 2], cfg)]
