@@ -63,12 +63,15 @@ class Durable:
                 tensors[f"shared.anchor.{i}"] = anchor
                 tensors[f"shared.momentum.{i}"] = momentum
         # The synchronized shared values a change is measured from, and the error feedback (what compression has
-        # not sent yet); without them a restart drops both.
+        # not sent yet); without them a restart drops both. With sync.sparse.keep_residual the unsent part is in
+        # the live model, and `kept` says how much of it a round this peer is not drawn in keeps (sync/draw.py).
         meta["contrib"] = True
         for i, synced in enumerate(self.shared.synced):
             tensors[f"contrib.synced.{i}"] = synced
         for name, ef in self._ef.items():
             tensors[f"contrib.ef.{name}"] = ef
+        for name, kept in self._kept.items():
+            tensors[f"contrib.kept.{name}"] = kept
         for expert, synced in self._expert_synced.items():
             for name, value in synced.items():
                 tensors[f"contrib.expert.{expert}/{name}"] = value
@@ -97,7 +100,7 @@ class Durable:
         if contrib is not None:
             for dst, src in zip(self.shared.synced, contrib[0]):
                 dst.copy_(src)
-            self._ef = contrib[1]
+            self._ef, self._kept = contrib[1], contrib[3]
             self._expert_synced.update(contrib[2])
             self._serve_synced_state()
         self.rollbacks = counters["rollbacks"]
@@ -110,22 +113,25 @@ class Durable:
             for dst, src in zip(self.shared.anchor + self.shared.momentum, outer[0] + outer[1]):
                 dst.copy_(src)
 
-    def _checked_contrib(self, tensors: dict[str, torch.Tensor]
-                         ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-        """The checkpoint's synchronized shared values, error feedback and owned experts' synchronized values,
-        checked against this model: shapes, finite; what belongs to tensors this peer no longer holds is dropped."""
+    def _checked_contrib(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor],
+                                                                         dict[int, dict[str, torch.Tensor]],
+                                                                         dict[str, torch.Tensor]]:
+        """The checkpoint's synchronized shared values, error feedback, owned experts' synchronized values and kept
+        unsent part, checked against this model: shapes, finite; what belongs to tensors this peer no longer holds
+        is dropped."""
         synced = [tensors[f"contrib.synced.{i}"] for i in range(len(self.shared.params))]
         for value, param in zip(synced, self.shared.params):
             if value.shape != param.shape or not bool(torch.isfinite(value).all()):
                 raise ValueError("checkpointed synchronized shared tensors do not fit this model")
         shapes = self._expected_shapes(tuple(sorted(self.model.owned_experts)))
-        ef = {}
+        residuals: dict[str, dict[str, torch.Tensor]] = {"ef": {}, "kept": {}}
         for key, value in tensors.items():
-            name = key[len("contrib.ef."):]
-            if key.startswith("contrib.ef.") and shapes.get(name) == tuple(value.shape):
+            kind, _, name = key[len("contrib."):].partition(".")
+            if key.startswith("contrib.") and kind in residuals and shapes.get(name) == tuple(value.shape):
                 if not bool(torch.isfinite(value).all()):
-                    raise ValueError(f"checkpointed error feedback {name} is not finite")
-                ef[name] = value.float().clone()
+                    raise ValueError(f"checkpointed {'error feedback' if kind == 'ef' else 'unsent part'} {name} "
+                                     f"is not finite")
+                residuals[kind][name] = value.float().clone()
         experts: dict[int, dict[str, torch.Tensor]] = {}
         for expert in self.model.owned_experts:
             live = self.model.expert_tensors(expert)
@@ -134,7 +140,7 @@ class Durable:
                 if not all(bool(torch.isfinite(v).all()) for v in saved.values()):
                     raise ValueError(f"checkpointed synchronized expert {expert} is not finite")
                 experts[expert] = {k: v.float().clone() for k, v in saved.items()}
-        return [t.float().clone() for t in synced], ef, experts
+        return [t.float().clone() for t in synced], residuals["ef"], experts, residuals["kept"]
 
     def _checked_outer(self, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The checkpoint's outer-optimizer tensors, checked against the shared parameters (None when this run

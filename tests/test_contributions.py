@@ -152,6 +152,18 @@ def test_error_feedback_and_synchronized_values_survive_a_restart(swarm_factory)
     except ValueError:
         pass
     assert all(torch.equal(a, b) for a, b in zip(before, other.sync.shared.synced))
+    # With the unsent part kept in the live model (the default), what a round this peer is not drawn in keeps of
+    # it (sync/draw.py) survives too.
+    cfg.sparse.keep_residual = True
+    kept = swarm_factory([0, 1], cfg)
+    local_training(kept, seed=6)
+    round_all([kept])
+    tensors, meta = kept.sync.state_dict()
+    assert kept.sync._kept and any(k.startswith("contrib.kept.s/") for k in tensors)
+    again = swarm_factory([0, 1], cfg, join=False)
+    again.sync.load_state_dict(tensors, meta)
+    assert set(again.sync._kept) == set(kept.sync._kept)
+    assert all(torch.equal(again.sync._kept[k], v) for k, v in kept.sync._kept.items())
 
 
 def test_a_peer_that_got_most_blobs_late_asks_again_and_strikes_nobody(swarm_factory):
