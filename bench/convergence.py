@@ -102,7 +102,8 @@ def build_arms(names: list[str], scale: dict[str, Any], peers: int, alphas: list
                                      _deep_merge(merge_on, {"sync": {"outer": "nesterov"}})),
         "spes_repl2": lambda: Arm("spes_repl2", "SPES, replication 2", peers, _split(E, peers, 2), merge_on),
         # Rounds of C drawn contributions (sync/draw.py): half the peers contribute to a round, the others drop it.
-        "spes_repl2_drawn": lambda: Arm("spes_repl2_drawn", f"SPES, replication 2, {max(1, peers // 2)} drawn per round",
+        "spes_repl2_drawn": lambda: Arm("spes_repl2_drawn",
+                                        f"SPES, replication 2, {max(1, peers // 2)} drawn per round",
                                         peers, _split(E, peers, 2),
                                         _deep_merge(merge_on, {"sync": {"contributors": max(1, peers // 2)}})),
         "spes_decayedlb": lambda: Arm("spes_decayedlb", "SPES + decayed LB loss", peers, spes,

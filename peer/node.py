@@ -320,7 +320,8 @@ class PeerNode:
         with open(trainer.run_dir / "rounds.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         logger.info(f"[{self.cfg.run_id} {self.short_id}] round {report.round_id} applied at step {trainer.step}: "
-                    f"shared group {report.group_size}{'' if report.contributed else ' (not drawn: own round dropped)'}, "
+                    f"shared group {report.group_size}"
+                    f"{'' if report.contributed else ' (not drawn: own round dropped)'}, "
                     f"experts synced {len(report.experts_synced)}, "
                     f"missing {report.experts_missing or 'none'}, rejected {report.rejected}, "
                     f"adopted {report.adopted or 'none'}{f', gave back {report.given_back}' if report.given_back else ''}"

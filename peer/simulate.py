@@ -13,7 +13,8 @@ leave cleanly and as many fresh ones join with `--experts auto` (Swarm.choose_au
 Every `--report-every` rounds a table row: live peers, experts covered (min / max owners), rounds completed,
 peers drawn per round (`--contributors C`: about C of N contribute, sync/draw.py), contributions aggregated per
 peer, round seconds; per peer per round (round start to round start): blob bytes sent + received, DHT record
-reads / stores and records per read, and the DHT requests its node sent with their bytes both ways (sync.hivemind_private.count_dht_rpcs); and how many different synchronized states the peers
+reads / stores and records per read, and the DHT requests its node sent with their bytes both ways
+(sync.hivemind_private.count_dht_rpcs); and how many different synchronized states the peers
 that completed the same round hold (1: no divergence). `--out DIR` writes simulate.json and simulate.png
 (`pip install -e ".[plot]"`) there.
 Peers, DHT nodes and p2pd daemons are all shut down on exit, also on Ctrl-C.
@@ -310,7 +311,8 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
 
 HEAD = [("rounds", "rounds", "d"), ("live", "live", "d"), ("left", "left", "d"), ("joined", "joined", "d"),
         ("covered", "covered", "d"), ("min_owners", "min owners", "d"), ("max_owners", "max owners", "d"),
-        ("drawn", "drawn", ".1f"), ("group", "group", ".1f"), ("round_s", "round s", ".2f"), ("kb_per_peer_round", "KB/peer/round", ".1f"),
+        ("drawn", "drawn", ".1f"), ("group", "group", ".1f"), ("round_s", "round s", ".2f"),
+        ("kb_per_peer_round", "KB/peer/round", ".1f"),
         ("reads_per_peer_round", "reads/peer/round", ".1f"), ("stores_per_peer_round", "stores/peer/round", ".1f"),
         ("records_per_read", "records/read", ".1f"), ("dht_kb_per_peer_round", "DHT KB/peer/round", ".1f"),
         ("dht_requests_per_peer_round", "DHT requests/peer/round", ".0f"), ("distinct_states", "states", "d")]

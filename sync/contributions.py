@@ -8,9 +8,10 @@ A round, for each peer, with no group and no reducer:
    feedback for later rounds. The blob is served by this peer's ContributionExchange and its round, size, sha256
    and weight are announced in its signed DHT record (`contrib`);
 2. gather (sync/gather.py): it waits (at most `matchmaking_time`) until every live peer that may be drawn
-   announced this round or reached it without a contribution, then fetches every announced blob (from its origin, or from a peer that already holds it: the digest from the signed record makes
-   a passed-on blob as good as the origin's), until a deadline derived from the blobs' sizes and the measured
-   download rate (at most `round_timeout`); a blob not in by then is left out of this round;
+   announced this round or reached it without a contribution, then fetches every announced blob (from its
+   origin, or from a peer that already holds it: the digest from the signed record makes a passed-on blob as good
+   as the origin's), until a deadline derived from the blobs' sizes and the measured download rate (at most
+   `round_timeout`); a blob not in by then is left out of this round;
 3. aggregate (sync/aggregate.py): every contribution decoded strictly against the names and shapes this peer
    holds, the shared tensors' robust mean over all contributors (each clipped to the median norm, weights capped
    at one round's tokens), each expert's over its owners (a single owner's change bounded by the relative change
@@ -163,16 +164,17 @@ class Contributions(Repair, Gathering, Drawing):
         started = time.perf_counter()
         drawn = report.contributed = self._decide_draw(others_at_start if others_at_start is not None
                                                        else self._others())
+        announcement: dict = {}
         if drawn:
             size, digest, expert_bytes = self._contribute(own, weight)
             self._expert_share = expert_bytes / max(size, 1)  # splits the served bytes by kind (contribution_bytes)
             newest = self.swarm.record.contrib  # announced on as `prev`: a peer still gathering that round finds it
-            self.swarm.publish(wait=False, experts=sorted(own), round=self.round_id, step=step, tokens=tokens,
-                               contrib=[self.round_id, size, digest, int(weight), sorted(own)],
-                               prev=list(newest) if newest and newest[0] < self.round_id else [])
+            announcement = {"contrib": [self.round_id, size, digest, int(weight), sorted(own)],
+                            "prev": list(newest) if newest and newest[0] < self.round_id else []}
         else:  # its record at this round without a contribution to it says so: nobody waits for it (sync/draw.py)
             self._own_blob, digest = None, ""
-            self.swarm.publish(wait=False, experts=sorted(own), round=self.round_id, step=step, tokens=tokens)
+        self.swarm.publish(wait=False, experts=sorted(own), round=self.round_id, step=step, tokens=tokens,
+                           **announcement)
         report.timing["contribute"] = time.perf_counter() - started
         # Waiting, all of it, is bounded: announcements within round_timeout, blobs by matchmaking_time more.
         ends = time.monotonic() + self.cfg.round_timeout + self.cfg.matchmaking_time
@@ -238,13 +240,9 @@ class Contributions(Repair, Gathering, Drawing):
     def _live_updates(self, means: dict[int, Snapshot]) -> dict[int, Snapshot]:
         """The experts whose new synchronized value the live model takes: all but those only this peer
         contributed to this round. Their owner keeps its own values (ahead of what the others hold by what
-        compression has not sent yet); every other peer holds, and every digest covers, the synchronized value.
-        A peer not drawn (sync/draw.py) drops its round's training: every expert it owns takes its synchronized
-        value (plus the unsent part of its last contribution)."""
+        compression has not sent yet); every other peer holds, and every digest covers, the synchronized value,
+        and an owner takes it plus the unsent part of its last contribution."""
         out = {}
-        if not self.contributing:
-            means = {**{e: self._expert_synced[e] for e in self.model.owned_experts if e in self._expert_synced},
-                     **means}
         for expert, mean in means.items():
             if expert in self._solo:
                 continue

@@ -91,9 +91,15 @@ class Drawing:
         self.contributing = True  # this peer's ticket drew it for the round in progress (or the last one)
         self._chances: dict[str, int] = {}  # credible_owners' grace, counted in rounds a peer had to deliver
         self._first_seen: dict[str, int] = {}  # peer -> the round its record was first read
+        self._tickets: tuple[int, dict[str, float]] = (-1, {})  # (round, peer -> ticket): polls ask many times
 
     def _ticket(self, peer_id: str) -> float:
-        return ticket(self.swarm.run_id, self.round_id, peer_id)
+        if self._tickets[0] != self.round_id:
+            self._tickets = (self.round_id, {})
+        cache = self._tickets[1]
+        if peer_id not in cache:
+            cache[peer_id] = ticket(self.swarm.run_id, self.round_id, peer_id)
+        return cache[peer_id]
 
     def _decide_draw(self, others: dict[str, "PeerRecord"]) -> bool:
         """Whether this peer contributes to this round, from the records read at its start."""

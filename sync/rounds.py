@@ -282,11 +282,13 @@ class SparseSync(Contributions, ExpertFetching, Applying, Durable, LeaveHandoff,
             report.redownloaded = True
         else:
             report.rejected += self._apply_contributions()
-            # An owned expert nobody contributed to keeps its value: this peer's own if it contributed (only
-            # this peer trains it, or its change was refused), else the last synchronized one (sync/draw.py).
-            kept = self._expert_synced if not self.contributing else {}
-            synced = {e: means.get(e, kept.get(e, snapshot)) for e, snapshot in pending.own_snapshots.items()}
-            self._apply_experts(self._live_updates(means), pending.own_snapshots)
+            # An owned expert nobody contributed to keeps its value: this peer's own if it contributed (only this
+            # peer trains it, or its change was refused); if it was not drawn (sync/draw.py), its round's training
+            # goes and every owned expert takes its last synchronized value (plus the unsent part: _live_updates).
+            values = means if self.contributing else {**{e: self._expert_synced[e] for e in pending.own_snapshots
+                                                         if e in self._expert_synced}, **means}
+            synced = {e: values.get(e, snapshot) for e, snapshot in pending.own_snapshots.items()}
+            self._apply_experts(self._live_updates(values), pending.own_snapshots)
             merged_for = merge_step(pending.step, self.cfg.merge, since=self._merge_since)
             if merged_for is not None and synced:
                 report.merge_alpha = merge_alpha(merged_for, self.cfg.merge)
