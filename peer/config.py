@@ -293,7 +293,8 @@ def eval_block_count(train: TrainConfig) -> int:
 # experts), the tokenizer, and what decides a round's aggregate or bounds a peer's weight. A joiner whose
 # values differ exits naming the first one.
 _SHARED_SYNC = ("every", "compression", "sparse.chunk", "sparse.topk", "sparse.bits", "outer", "outer_lr",
-                "outer_momentum", "max_peer_processes", "max_delta_ratio", "contributors")
+                "outer_momentum", "max_peer_processes", "max_delta_ratio", "contributors",
+                "roster_shard")
 _LOCAL_MODEL = {"expert_kernel"}
 
 

@@ -184,7 +184,8 @@ class PeerNode:
                         client_mode=mode.client_mode, join_timeout=cfg.network.join_timeout_s)
         ticket = getattr(self.admission, "own_ticket", None) or b""
         swarm = Swarm(dht, cfg.run_id, cfg.model.num_experts, ttl=cfg.sync.record_ttl, ticket=ticket,
-                      admission=self.admission, initial_peers=initial_peers, settings=run_settings(cfg))
+                      admission=self.admission, initial_peers=initial_peers, settings=run_settings(cfg),
+                      shard=cfg.sync.roster_shard)
         if swarm.live_elsewhere():
             swarm.shutdown(withdraw=False)  # the record is the other process's: leave it alone
             raise SwarmError(f"peer ID {swarm.peer_id} is already live in run {cfg.run_id}: another process "

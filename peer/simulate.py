@@ -63,6 +63,7 @@ class SimConfig:
     matchmaking_time: float = 5.0
     interval: float = 0.0          # seconds of (simulated) training between rounds, in 10 steps; 0: back to back
     contributors: int = 16         # sync.contributors of every peer (0: every peer contributes to every round)
+    roster_shard: int = 32         # sync.roster_shard of every peer (records per roster shard, sync/roster.py)
 
     def check(self) -> None:
         if self.peers < 2:
@@ -77,6 +78,8 @@ class SimConfig:
             raise ValueError(f"--interval must be >= 0, got {self.interval}")
         if self.contributors < 0:
             raise ValueError(f"--contributors must be >= 0, got {self.contributors}")
+        if self.roster_shard < 1:
+            raise ValueError(f"--roster-shard must be >= 1, got {self.roster_shard}")
 
 
 @dataclass
@@ -135,7 +138,7 @@ class Simulation:
         self.model_cfg = ModelConfig(**{**tiny, "num_experts": cfg.experts})
         self.sync_cfg = SyncConfig(every=STEPS, compression=cfg.compression, round_timeout=cfg.round_timeout,
                                    matchmaking_time=cfg.matchmaking_time, record_ttl=10.0,
-                                   contributors=cfg.contributors)
+                                   contributors=cfg.contributors, roster_shard=cfg.roster_shard)
         self.per_peer = min(cfg.experts, math.ceil(2 * cfg.experts / cfg.peers))
         self.rng = random.Random(cfg.seed)
         self.peers: list[SimPeer] = []
@@ -161,7 +164,7 @@ class Simulation:
                    for m in p.swarm.visible_maddrs()]
         dht = start_dht(initial, LOOPBACK, run_id=RUN_ID, num_experts=self.cfg.experts,
                         record_ttl=self.sync_cfg.record_ttl)
-        swarm = Swarm(dht, RUN_ID, self.cfg.experts, ttl=self.sync_cfg.record_ttl)
+        swarm = Swarm(dht, RUN_ID, self.cfg.experts, ttl=self.sync_cfg.record_ttl, shard=self.sync_cfg.roster_shard)
         if owned is None:
             owned = swarm.choose_auto(self.per_peer)
         model = SpesMoE(self.model_cfg, owned_experts=owned, seed=self.cfg.seed)
@@ -367,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contributors", type=int, default=d.contributors,
                    help=f"sync.contributors of every peer: about this many contribute to a round (default "
                         f"{d.contributors}; 0: all)")
+    p.add_argument("--roster-shard", type=int, default=d.roster_shard,
+                   help=f"sync.roster_shard of every peer: records per roster shard (default {d.roster_shard})")
     p.add_argument("--out", metavar="DIR", help="write simulate.json and simulate.png here")
     return p
 
@@ -378,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = SimConfig(peers=args.peers, rounds=args.rounds, experts=args.experts, churn=args.churn,
                     report_every=args.report_every, seed=args.seed, compression=args.compression,
-                    interval=args.interval, contributors=args.contributors)
+                    interval=args.interval, contributors=args.contributors, roster_shard=args.roster_shard)
     try:
         cfg.check()
     except ValueError as e:

@@ -92,6 +92,12 @@ class Drawing:
         self._chances: dict[str, int] = {}  # credible_owners' grace, counted in rounds a peer had to deliver
         self._first_seen: dict[str, int] = {}  # peer -> the round its record was first read
         self._tickets: tuple[int, dict[str, float]] = (-1, {})  # (round, peer -> ticket): polls ask many times
+        self.swarm.drawn_for = self._drawn_for
+
+    def _drawn_for(self, round_id: int) -> bool:
+        """Whether this peer's ticket draws it for `round_id` at the last draw's odds (the swarm stores its record
+        under the drawn key then, sync/roster.py; every peer while every peer contributes)."""
+        return ticket(self.swarm.run_id, round_id, self.swarm.peer_id) < self._draw.drawn
 
     def _ticket(self, peer_id: str) -> float:
         if self._tickets[0] != self.round_id:
@@ -102,8 +108,13 @@ class Drawing:
         return cache[peer_id]
 
     def _decide_draw(self, others: dict[str, "PeerRecord"]) -> bool:
-        """Whether this peer contributes to this round, from the records read at its start."""
-        peers = counted_peers(others, self._delivered_ever, self._chances)
+        """Whether this peer contributes to this round, from the records read at its start: N from this peer's
+        roster shard, or the roster's estimate once it is sharded (sync/roster.py)."""
+        shard = {p: r for p, r in others.items() if not r.outside}
+        peers = counted_peers(shard, self._delivered_ever, self._chances)
+        roster = self.swarm.roster
+        if roster.level > 0:  # the swarm's estimate, less the share of the shard that is not owners by deeds
+            peers = max(1, round(roster.estimate * peers / (len(shard) + 1)))
         self._draw = Draw(self.cfg.contributors, peers)
         self.contributing = self._ticket(self.swarm.peer_id) < self._draw.drawn
         return self.contributing

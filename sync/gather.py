@@ -56,8 +56,12 @@ class Gathering:
             # the first round it is drawn in, and what it announces in time still counts.
             # Waited for: a peer that may be drawn (sync/draw.py) and whose record has not reached this round; one
             # at this round without a contribution to it was not drawn (or just joined, or re-downloaded).
+            # A peer outside this peer's roster shard is known only by its record under the drawn key
+            # (sync/roster.py), stored there from the round before the one it is drawn for: waited for when that
+            # record is of the previous round or says it will be ready for this one (`due`).
             waiting = {p: r for p, r in others.items() if p not in announced and r.round < self.round_id
                        and self._may_be_drawn(p) and not self._skipped(p)
+                       and (not r.outside or r.round == self.round_id - 1 or (r.due and r.due[0] == self.round_id))
                        and not (self._misses.get(p) and p not in self._delivered_ever)
                        and not (not r.contrib and self._chances.get(p, 0) > 0)}
             now, dht_now = time.monotonic(), get_dht_time()

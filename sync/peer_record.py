@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from sync.aggregate import Announcement
+from sync.roster import MAX_ESTIMATE, MAX_LEVEL
 from sync.records import MAX_ROUND, MAX_STEP, MAX_TOKENS, is_contrib, is_due, is_origin, is_synced
 from sync.settings import is_fingerprint
 
@@ -51,6 +52,11 @@ class PeerRecord:
     prev: list = field(default_factory=list)
     synced: list = field(default_factory=list)
     cfg: str = ""  # fingerprint of its run settings (sync/settings.py); "" = not published
+    lvl: int = 0  # the roster level it reads at (sync/roster.py): where a joiner finds the swarm
+    est: int = 0  # N as its own last shard read counted it (sync/roster.py: readers take the median of these)
+    # Not published: this reader found the record only under the drawn key, outside its own shard (sync/roster.py).
+    # It counts for the round (waits, fetches), not for coverage or N, which are judged from the shard.
+    outside: bool = field(default=False, compare=False)
 
     def announcement(self, round_id: int | None = None) -> Announcement | None:
         """Its contribution to `round_id` (default: its newest) as sync.aggregate reads it; None: none announced
@@ -88,6 +94,10 @@ class PeerRecord:
             value["synced"] = list(self.synced)
         if self.cfg:
             value["cfg"] = self.cfg
+        if self.lvl:
+            value["lvl"] = self.lvl
+        if self.est:
+            value["est"] = self.est
         return value
 
     def room(self, num_experts: int) -> int:
@@ -135,15 +145,17 @@ class PeerRecord:
             return None
         if prev and not (contrib and is_contrib(prev, num_experts) and prev[0] < contrib[0]):
             return None
-        cfg = value.get("cfg", "")
-        if cfg and not is_fingerprint(cfg):
+        cfg, lvl, est = value.get("cfg", ""), value.get("lvl", 0), value.get("est", 0)
+        if (cfg and not is_fingerprint(cfg)) or not (type(lvl) is int and 0 <= lvl <= MAX_LEVEL):
+            return None
+        if not (type(est) is int and 0 <= est <= MAX_ESTIMATE):
             return None
         return cls(peer_id, sorted(set(experts)), *counters, ticket=ticket if isinstance(ticket, bytes) else b"",
                    budget=budget, caretaking=sorted(set(caretaking)),
                    finished=value.get("finished") is True, claims=sorted(set(claims)), origin=list(origin),
                    left=sorted(set(left)), due=[due[0], float(due[1])] if due else [],
                    contrib=[*contrib[:4], sorted(contrib[4])] if contrib else [],
-                   prev=[*prev[:4], sorted(prev[4])] if prev else [], synced=list(synced), cfg=cfg)
+                   prev=[*prev[:4], sorted(prev[4])] if prev else [], synced=list(synced), cfg=cfg, lvl=lvl, est=est)
 
 
 def median_round(records: Iterable[PeerRecord]) -> int | None:

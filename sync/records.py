@@ -3,9 +3,10 @@
 Every DHT node of a run (peers and the bootstrap node) runs `RunRecordValidator`, so a record that fails it is
 neither stored by an honest node nor accepted from any node's answer. For the run's keys:
 
-- `{run_id}_peers`, subkey = a base58 peer ID: the value must be signed by the libp2p identity key of exactly
-  that peer ID (the public key travels in the value; the peer ID is the multihash of it, as libp2p derives it),
-  so only the holder of a peer's key can write, replace or tombstone that peer's record. The payload must match
+- `{run_id}_peers` and its shards `{run_id}_peers_{level}_{prefix}` (sync/roster.py: only records of peers in
+  that shard), and `{run_id}_drawn`; subkey = a base58 peer ID: the value must be signed by the libp2p identity
+  key of exactly that peer ID (the public key travels in the value; the peer ID is the multihash of it, as
+  libp2p derives it), so only the holder of a peer's key can write, replace or tombstone that peer's record. The payload must match
   the schema of `sync.swarm.PeerRecord` exactly (bounded ints, expert indices in range), and in a closed run it
   must carry a valid organizer ticket for that peer ID.
 - `{run_id}_revoked`, subkey = a base58 peer ID: only organizer-signed revocations of that peer (closed runs).
@@ -46,6 +47,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 
+from sync.roster import MAX_ESTIMATE, MAX_LEVEL, drawn_key, peers_key, roster_key_names, shard_prefix  # noqa: F401 (peers_key: API)
 from sync.settings import SETTINGS_LIFETIME, fingerprint, is_fingerprint, is_settings, settings_key
 from sync.validate import RejectCounter
 
@@ -76,14 +78,11 @@ _RECORD_FIELDS = {"experts", "round", "step", "tokens"}
 # prev: the contribution before `contrib`, same form, an older round (a peer behind still finds it).
 # synced: [round, digest hex] of its synchronized tensors after applying that round.
 # cfg: the fingerprint of the peer's run settings (sync/settings.py).
+# lvl: the roster level the peer reads at, 1..MAX_LEVEL; est: N as its last shard read counted it (sync/roster.py).
 _OPTIONAL_FIELDS = {"ticket", "budget", "caretaking", "finished", "claims", "origin", "left", "due",
-                    "contrib", "prev", "synced", "cfg"}
+                    "contrib", "prev", "synced", "cfg", "lvl", "est"}
 MAX_BLOB_BYTES = 2**36  # a contribution of a model far beyond the paper's shapes, uncompressed, stays under it
 MAX_DUE_TIME = 2.0 ** 34  # seconds since the epoch: year 2514; readers bound it by their own clock (sync.schedule)
-
-
-def peers_key(run_id: str) -> str:
-    return f"{run_id}_peers"
 
 
 def revoked_key(run_id: str) -> str:
@@ -222,6 +221,10 @@ def check_record_payload(value: Any, num_experts: int) -> bool:
         return False
     if "cfg" in value and not is_fingerprint(value["cfg"]):
         return False
+    if "lvl" in value and not (type(value["lvl"]) is int and 1 <= value["lvl"] <= MAX_LEVEL):
+        return False
+    if "est" in value and not (type(value["est"]) is int and 1 <= value["est"] <= MAX_ESTIMATE):
+        return False
     for name, bound in (("round", MAX_ROUND), ("step", MAX_STEP), ("tokens", MAX_TOKENS)):
         if type(value[name]) is not int or not 0 <= value[name] <= bound:
             return False
@@ -244,7 +247,10 @@ class RunRecordValidator(RecordValidatorBase):
         self.run_id, self.num_experts = run_id, num_experts
         self.max_lifetime = record_ttl + slack
         self.admission, self.rejects = admission, rejects
-        self._peers_key, self._revoked_key = _key_id(peers_key(run_id)), _key_id(revoked_key(run_id))
+        self._revoked_key = _key_id(revoked_key(run_id))
+        # Every shard key -> (level, prefix), and the drawn key as (-1, 0): any peer's record may go there.
+        self._record_keys = {_key_id(name): where for name, where in roster_key_names(run_id).items()}
+        self._record_keys[_key_id(drawn_key(run_id))] = (-1, 0)
         self._settings_key = _key_id(settings_key(run_id))
         self._private_key = private_key
         self._own_subkey = self._public_der = None
@@ -273,14 +279,14 @@ class RunRecordValidator(RecordValidatorBase):
         return MSGPackSerializer.dumps([RECORD_TAG, record.key, record.subkey, payload, record.expiration_time])
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key != self._peers_key or self._private_key is None or record.subkey != self._own_subkey:
+        if record.key not in self._record_keys or self._private_key is None or record.subkey != self._own_subkey:
             return record.value  # not ours to sign: it will only pass if no signature is needed
         signature = self._private_key.sign(self._signed_message(record, record.value), padding.PKCS1v15(),
                                            hashes.SHA256())
         return MSGPackSerializer.dumps([RECORD_TAG, record.value, self._public_der, signature])
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key != self._peers_key:
+        if record.key not in self._record_keys:
             return record.value
         try:
             return MSGPackSerializer.loads(record.value)[1]
@@ -290,8 +296,9 @@ class RunRecordValidator(RecordValidatorBase):
     # ---- validation ------------------------------------------------------------------------------------
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key == self._peers_key:
-            ok = self._validate_peer_record(record)
+        where = self._record_keys.get(record.key)
+        if where is not None:
+            ok = self._validate_peer_record(record, where)
         elif record.key == self._revoked_key:
             ok = self._validate_revocation(record)
         elif record.key == self._settings_key:
@@ -309,7 +316,7 @@ class RunRecordValidator(RecordValidatorBase):
         except Exception:
             return None
 
-    def _validate_peer_record(self, record: DHTRecord) -> bool:
+    def _validate_peer_record(self, record: DHTRecord, where: tuple[int, int] = (0, 0)) -> bool:
         now = get_dht_time()
         if record.expiration_time > now + self.max_lifetime or len(record.value) > MAX_VALUE_BYTES:
             return False
@@ -319,6 +326,8 @@ class RunRecordValidator(RecordValidatorBase):
         peer_id = cached or self._subkey_peer(record)
         if peer_id is None or peer_id in self._revoked or not self._room_for(peer_id, now):
             return False
+        if where[0] > 0 and shard_prefix(peer_id, where[0]) != where[1]:
+            return False  # a shard holds only its own peers' records (sync/roster.py)
         if cached is not None:
             ok = True
         else:

@@ -17,7 +17,7 @@ import functools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -25,6 +25,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.records import peers_key, revoked_key
+from sync.roster import MAX_LEVEL, Roster, drawn_key, parse_drawn
 from sync.peer_record import PeerRecord, median_round, process_origin, twin_started_first  # noqa: F401 (API)
 from sync.dht import read_latest, store_record
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
@@ -86,11 +87,18 @@ class Swarm:
     initial_peers: Sequence[str] = ()
     # The settings every peer of the run must share (sync/settings.py; built by peer/), None: not checked.
     settings: Mapping[str, Any] | None = None
+    shard: int = 32  # sync.roster_shard: records per roster shard (sync/roster.py)
     record: PeerRecord = field(init=False)
 
     def __post_init__(self) -> None:
         self.peer_id = str(self.dht.peer_id)
         self.key = peers_key(self.run_id)
+        self.roster = Roster(self.run_id, self.peer_id, self.shard, settle=self.ttl / 3 + 1.0)
+        # Set by the rounds (sync/draw.py): whether this peer is drawn for a round, in its own view. A drawn peer's
+        # record also goes under the drawn key while the roster is sharded (sync/roster.py).
+        self.drawn_for: Callable[[int], bool] | None = None
+        self._drawn: dict[str, tuple[float, PeerRecord | None]] = {}  # the drawn key's parsed records (see _parsed)
+        self._drawn_until = -float("inf")  # monotonic time until which its record goes under the drawn key
         self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin(get_dht_time()),
                                  cfg=fingerprint(self.settings) if self.settings else "")
         self._settings_stored_at = -float("inf")
@@ -138,7 +146,7 @@ class Swarm:
                 return  # the record under this peer ID is the other process's
             self._stored_expiration = max(self._stored_expiration, expiration)
         if not wait:  # the heartbeat stores it again within ttl / 3 if this one fails
-            store_record(self.dht, self.key, self.peer_id, value, expiration, return_future=True)
+            self._store_futures(value, expiration)
             return
         try:
             self._store(value, expiration)
@@ -179,15 +187,54 @@ class Swarm:
         the shutdown. Nothing once a twin started first (the record under this peer ID is the other process's)."""
         if self.twin is not None:
             return False
-        return self._store_at(self.key, self.peer_id, value, expiration, timeout)
+        deadline = time.monotonic() + timeout
+        return all([bool(f.result(timeout=max(0.0, deadline - time.monotonic())))
+                    for f in self._store_futures(value, expiration)])
+
+    def _store_futures(self, value: dict[str, Any], expiration: float) -> list:
+        """Store this peer's record under every key it belongs to now (sync/roster.py), without waiting."""
+        # Under the drawn key while drawn for its round or the next (in its own view), and for a ttl after: the
+        # readers outside its shard then see it reach the round, contributing or not (sync/roster.py).
+        record, now = self.record, time.monotonic()
+        if self.drawn_for is not None and any(self.drawn_for(r) for r in {record.round, record.round + 1,
+                                                                            *(record.due[:1] if record.due else [])}):
+            self._drawn_until = now + self.ttl
+        drawn = now < self._drawn_until
+        return [store_record(self.dht, key, self.peer_id, value, expiration, return_future=True)
+                for key in self.roster.store_keys(drawn)]
 
     def _store_at(self, key: str, subkey: str, value: Any, expiration: float, timeout: float = 15.0) -> bool:
         future = store_record(self.dht, key, subkey, value, expiration, return_future=True)
         return bool(future.result(timeout=timeout))
 
     def peers(self) -> dict[str, PeerRecord]:
-        """Live peers' records (ours included once published)."""
-        found = read_latest(self.dht, self.key)
+        """Live peers' records (ours included once published): this peer's roster shard, and the drawn peers
+        outside it marked `outside` (sync/roster.py). A read at a level the shard says is wrong is read again
+        at the right one (a joiner finds the swarm's level within MAX_LEVEL + 1 reads)."""
+        visited: set[int] = set()
+        for _ in range(MAX_LEVEL + 1):
+            key = drawn_key(self.run_id)  # read in parallel with the shard while sharded
+            drawn = read_latest(self.dht, key, return_future=True) if self.roster.sharded() else None
+            level, shard_key = self.roster.read_key()
+            records = self._read_shard(read_latest(self.dht, shard_key))
+            if drawn is None and self.roster.probes(len(records) - (self.peer_id in records)):
+                drawn = read_latest(self.dht, key, return_future=True)
+            found = drawn.result() if drawn is not None else None
+            revoked = self.revoked() if self.admission is not None and found is not None else set()
+            outside, self._drawn = parse_drawn(found, self._drawn, self.peer_id, self.num_experts, revoked)
+            counts = [r.est for r in outside.values() if r.est]  # drawn by ticket: a sample of the whole swarm
+            moved = self.roster.update(level, len(records), counts, [r.lvl for r in outside.values()], visited)
+            if self.roster.level != level and self.withdrawn is False and self.record.experts:
+                self.publish(wait=False)  # at its new levels at once: the others reading there count it
+            if not moved:
+                break
+        with self._lock:
+            self.record.lvl, self.record.est = self.roster.level, self.roster.count
+        return {**{p: r for p, r in outside.items() if p not in records}, **records}
+
+    def _read_shard(self, found: Any) -> dict[str, PeerRecord]:
+        """The live records of one read of this peer's shard; also notes finished experts, claims and clean
+        leaves (finished_experts, choose_auto, left_by)."""
         records: dict[str, PeerRecord] = {}
         if found is None or not isinstance(found.value, dict):
             return records
@@ -253,7 +300,7 @@ class Swarm:
     def _own_record(self) -> tuple[float, PeerRecord] | None:
         """(expiration, record) of the run's live record under this peer ID, None if there is none (or a
         withdrawn or finished one)."""
-        found = read_latest(self.dht, self.key)
+        found = read_latest(self.dht, self.roster.read_key()[1])
         item = found.value.get(self.peer_id) if found is not None and isinstance(found.value, dict) else None
         expiration = getattr(item, "expiration_time", None)
         if item is None or expiration is None or expiration < get_dht_time():
@@ -371,7 +418,9 @@ class Swarm:
         adopt: list[int] = []
         finished = self.finished_experts()
         for expert in sorted(e for e, o in coverage.items() if not o and e not in finished):
-            candidates = [p for p in records if room[p] > 0]
+            # Coverage counts the drawn peers read outside the shard too (drawn by ticket: a sample blind to
+            # experts); adopters are of the shard, whose members all see the same orphan (sync/roster.py).
+            candidates = [p for p in records if room[p] > 0 and not records[p].outside]
             if not candidates:
                 break
             winner = adoption_order(candidates, expert)[0]

@@ -145,7 +145,7 @@ def swarm_factory():
                         record_ttl=cfg.record_ttl, rejects=rejects)
         if not first_maddrs:
             first_maddrs.extend(str(m) for m in dht.get_visible_maddrs())
-        swarm = Swarm(dht, run_id, MODEL.num_experts, ttl=cfg.record_ttl)
+        swarm = Swarm(dht, run_id, MODEL.num_experts, ttl=cfg.record_ttl, shard=cfg.roster_shard)
         if auto and join and peers:  # a joiner with --experts auto: chosen from the records, as peer.run does
             owned = swarm.choose_auto(len(owned))
         model = SpesMoE(model_cfg, owned_experts=owned, seed=0)
