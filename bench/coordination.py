@@ -60,6 +60,19 @@ class Requests:
     replicas: int
     scheduled_reads: bool = False
     store_lookup_answers_records: bool = True  # False: a store looks up a neighbouring ID (store_near)
+    shard: int = 0         # sync.roster_shard (sync/roster.py); 0: every record under one key
+    contributors: int = 0  # sync.contributors: the drawn key holds about 3C records while sharded
+
+
+def roster_records(peers: int, shard: int, contributors: int) -> tuple[float, float, int]:
+    """(records in the shard a peer reads, records under the drawn key, levels a record is stored at) with every
+    peer's estimate at N (sync/roster.py); a single key when `shard` is 0."""
+    from sync.roster import read_level, sharded, write_levels
+    if not shard or not sharded(peers, shard):
+        return float(peers), 0.0, 1
+    # Drawn for the next round (C) or below 2C / N for this one (2C), as sync.draw's thresholds are.
+    drawn = min(peers, 3 * contributors) if contributors else peers
+    return peers / 2 ** read_level(peers, shard), float(drawn), len(write_levels(peers, shard))
 
 
 @dataclass(frozen=True)
@@ -80,13 +93,17 @@ def hivemind_dht_params() -> DhtParams:
     return DhtParams(defaults["bucket_size"], defaults["num_replicas"], defaults["cache_nearest"])
 
 
-def builds() -> tuple[Requests, Requests]:
-    """(7466c65: hivemind's defaults, this build: sync.dht's bounds)."""
+def builds() -> tuple[Requests, Requests, Requests]:
+    """(7466c65: hivemind's defaults, 13d1077: sync.dht's bounds on one key, this build: the roster in shards and
+    the drawn key, sync/roster.py, at the default sync settings)."""
+    from sync.config import SyncConfig
     from sync.dht import NUM_REPLICAS, READ_BEAM
-    dht = hivemind_dht_params()
+    dht, cfg = hivemind_dht_params(), SyncConfig()
+    bounded = dict(scheduled_reads=True, store_lookup_answers_records=False)
     return (Requests("7466c65", dht.bucket_size, dht.bucket_size, dht.num_replicas),
-            Requests("this build", READ_BEAM, dht.bucket_size, NUM_REPLICAS, scheduled_reads=True,
-                     store_lookup_answers_records=False))
+            Requests("13d1077", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded),
+            Requests("this build", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded, shard=cfg.roster_shard,
+                     contributors=cfg.contributors))
 
 
 def neighbours_bytes() -> int:
@@ -141,8 +158,9 @@ def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Reques
     hops = max(0, math.ceil(math.log2(peers / bucket_size)))
     read_answers, store_answers = (min(peers - 1, n) for n in (req.read_visits, req.store_visits))
     replicas = min(peers - 1, req.replicas)
+    round_reads = sched.wait_s / sched.wait_poll_s + 1  # the announcement wait's polls and the round start's read
     if reads is None:
-        reads = sched.wait_s / sched.wait_poll_s + 1  # the announcement wait's polls and the round start's read
+        reads = round_reads
         if req.scheduled_reads:  # every poll from lead_s before the start to the wait's end, else every idle poll
             hot = min(sched.interval_s, sched.lead_s + sched.wait_s)
             reads += hot / sched.progress_poll_s + (sched.interval_s - hot) / sched.idle_poll_s
@@ -150,28 +168,39 @@ def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Reques
             reads += sched.interval_s / sched.progress_poll_s
     if stores is None:
         stores = sched.interval_s / sched.heartbeat_s + 1
-    all_records = peers * record_bytes
-    finds = reads * (read_answers + hops) + stores * (store_answers + hops)
+    in_shard, drawn, levels = roster_records(peers, req.shard, req.contributors)
+    # The rounds' reads read the drawn key too while sharded; the progress reader's the shard alone.
+    drawn_reads = min(reads, round_reads) if drawn else 0.0
+    read_records = reads * in_shard + drawn_reads * drawn
+    # A record goes to its levels' shard keys, and to the drawn key for the fraction of peers drawn.
+    store_keys = levels + (drawn / peers if drawn else 0)
+    finds = (reads + drawn_reads) * (read_answers + hops) + stores * store_keys * (store_answers + hops)
     neighbour_list = neighbours * min(bucket_size, peers - 1) / bucket_size  # a node names the ones it knows
-    lookup_records = store_answers * all_records if req.store_lookup_answers_records else 0
-    kb = (reads * read_answers * all_records + stores * (lookup_records + replicas * record_bytes)
+    lookup_records = store_answers * peers * record_bytes if req.store_lookup_answers_records else 0
+    kb = (read_answers * read_records * record_bytes + stores * store_keys * (lookup_records + replicas * record_bytes)
           + finds * neighbour_list) / 1000
-    return {"peers": peers, "kb_per_read": read_answers * all_records / 1000, "reads": reads, "kb": kb,
-            "requests": finds + stores * replicas,
-            # Each node holding the key answers every other peer's requests that visit it with the whole set.
-            "served_kb": (peers - 1) * (reads + (stores if lookup_records else 0)) * all_records / 1000}
+    return {"peers": peers, "records_per_read": read_records / reads,
+            "kb_per_read": read_answers * (in_shard + drawn) * record_bytes / 1000,
+            "reads": reads, "kb": kb, "requests": finds + stores * store_keys * replicas,
+            # Each node holding a key answers the requests that visit it with the whole set: a shard's its own
+            # peers' reads, the drawn key's everyone's. The busier of the two.
+            "served_kb": max((min(in_shard, peers - 1) if drawn else peers - 1) * in_shard * reads,
+                             (peers - 1) * drawn * drawn_reads) * record_bytes / 1000
+            + (peers - 1) * (stores * lookup_records / 1000 if lookup_records else 0)}
 
 
-def table(rows: Sequence[tuple[dict[str, float], dict[str, float]]], names: tuple[str, str]) -> str:
-    a, b = names
+def table(rows: Sequence[Sequence[dict[str, float]]], names: Sequence[str]) -> str:
+    """One row per peer count: reads and records per read, then per build KB and requests per peer per round."""
+    first, last = names[0], names[-1]
     return format_table(
-        ["peers (= records per read)", f"reads per round, {a} / {b}", f"KB per read, {a} / {b}",
-         f"coordination KB/peer/round, {a}", "this build", "÷", f"DHT requests/peer/round, {a} / {b}",
-         "KB a record holder serves per round", "this build ÷ goal (10 KB)"],
-        [[o["peers"], f"{o['reads']:.0f} / {n['reads']:.0f}", f"{o['kb_per_read']:,.0f} / {n['kb_per_read']:,.0f}",
-          f"{o['kb']:,.0f}",
-          f"{n['kb']:,.0f}", f"{o['kb'] / n['kb']:.1f}x", f"{o['requests']:,.0f} / {n['requests']:,.0f}",
-          f"{n['served_kb']:,.0f}", f"{n['kb'] / GOAL_KB:,.0f}x"] for o, n in rows])
+        ["peers", "reads per round (this build)", f"records per read, {' / '.join(names)}",
+         *[f"KB/peer/round, {n}" for n in names], f"{first} ÷ {last}",
+         f"DHT requests/peer/round, {' / '.join(names)}", "KB a key holder serves per round (this build)",
+         f"{last} ÷ goal (10 KB)"],
+        [[r[-1]["peers"], f"{r[-1]['reads']:.0f}", " / ".join(f"{b['records_per_read']:,.0f}" for b in r),
+          *[f"{b['kb']:,.0f}" for b in r], f"{r[0]['kb'] / r[-1]['kb']:,.0f}x",
+          " / ".join(f"{b['requests']:,.0f}" for b in r), f"{r[-1]['served_kb']:,.0f}",
+          f"{r[-1]['kb'] / GOAL_KB:,.1f}x"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,17 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     poll = min(1.0, defaults.matchmaking_time / 4)  # as sync.rounds sets the reader up
     sched = Schedule(args.interval, poll, args.wait, 0.2, defaults.record_ttl / 3,
                      lead_s=defaults.matchmaking_time + 2 * poll, idle_poll_s=defaults.record_ttl / 3)
-    record_bytes, neighbours, (old, new) = record_copy_bytes(), neighbours_bytes(), builds()
+    record_bytes, neighbours, reqs = record_copy_bytes(), neighbours_bytes(), builds()
+    old, new = reqs[0], reqs[-1]
     k = hivemind_dht_params().bucket_size
-    rows = [tuple(coordination_row(n, record_bytes, neighbours, req, sched, k, args.reads, args.stores)
-                  for req in (old, new)) for n in args.peers]
+    rows = [[coordination_row(n, record_bytes, neighbours, req, sched, k, args.reads, args.stores) for req in reqs]
+            for n in args.peers]
     sys.stdout.write(f"record copy {record_bytes} B, neighbour list {neighbours} B; a read visits {old.read_visits} / "
                      f"{new.read_visits} nodes, a store {old.store_visits} / {new.store_visits} and stores on "
-                     f"{new.replicas} ({old.name} / {new.name}); round every {args.interval:g} s, progress poll "
+                     f"{new.replicas} ({old.name} / {new.name}); this build: roster shards of {new.shard}, "
+                     f"{new.contributors} contributors; round every {args.interval:g} s, progress poll "
                      f"{sched.progress_poll_s:g} s, announcement wait {args.wait:g} s"
                      + (f"; reads {args.reads:g} per round" if args.reads is not None else "")
                      + (f"; stores {args.stores:g} per round" if args.stores is not None else "") + "\n"
-                     + table(rows, (old.name, new.name)) + "\n")
+                     + table(rows, [r.name for r in reqs]) + "\n")
     return 0
 
 

@@ -14,7 +14,8 @@ Every `--report-every` rounds a table row: live peers, experts covered (min / ma
 peers drawn per round (`--contributors C`: about C of N contribute, sync/draw.py), contributions aggregated per
 peer, round seconds; per peer per round (round start to round start): blob bytes sent + received, DHT record
 reads / stores and records per read, and the DHT requests its node sent with their bytes both ways
-(sync.hivemind_private.count_dht_rpcs); and how many different synchronized states the peers
+(sync.hivemind_private.count_dht_rpcs); the roster levels the peers read at and their median estimate of N
+(`--roster-shard T`: records per shard, sync/roster.py); and how many different synchronized states the peers
 that completed the same round hold (1: no divergence). `--out DIR` writes simulate.json and simulate.png
 (`pip install -e ".[plot]"`) there.
 Peers, DHT nodes and p2pd daemons are all shut down on exit, also on Ctrl-C.
@@ -111,11 +112,17 @@ def _count_requests(peer: SimPeer) -> None:
     count_dht_rpcs(dht)
     get, run = dht.get, dht.run_coroutine
 
+    def count_records(found) -> None:
+        value = getattr(found, "value", None)
+        peer.records_read += len(value) if isinstance(value, dict) else 0
+
     def counted_get(key, *args, **kwargs):
         peer.reads += 1
         found = get(key, *args, **kwargs)
-        value = getattr(found, "value", None)
-        peer.records_read += len(value) if isinstance(value, dict) else 0
+        if kwargs.get("return_future"):  # the drawn key, read beside the roster shard (sync/roster.py)
+            found.add_done_callback(lambda f: count_records(f.result()) if not f.exception() else None)
+        else:
+            count_records(found)
         return found
 
     def counted_run(coro, *args, **kwargs):  # sync.dht.store_record runs store_near in the DHT process
@@ -244,7 +251,8 @@ class Simulation:
                           "drawn": bool(report and report.contributed),
                           "seconds": report.seconds if report else None, "bytes": now_bytes - b,
                           "reads": peer.reads - r, "stores": peer.stores - s, "records": peer.records_read - rr,
-                          "digest": peer.sync.synced_digest})
+                          "digest": peer.sync.synced_digest, "level": peer.swarm.roster.level,
+                          "estimate": peer.swarm.roster.estimate})
             peer.rounds.append(stats[-1])
         return {"wall": wall, "peers": stats}
 
@@ -309,6 +317,8 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
             "dht_requests_per_peer_round": statistics.fmean(s["dht_requests"] for s in stats),
             "stores_per_peer_round": statistics.fmean(s["stores"] for s in stats),
             "records_per_read": (sum(s["records"] for s in stats) / max(1, sum(s["reads"] for s in stats))),
+            "levels": f"{min(s['level'] for s in stats)}-{max(s['level'] for s in stats)}",
+            "estimate": statistics.median(s["estimate"] for s in stats),
             "distinct_states": max(distinct)}
 
 
@@ -318,7 +328,8 @@ HEAD = [("rounds", "rounds", "d"), ("live", "live", "d"), ("left", "left", "d"),
         ("kb_per_peer_round", "KB/peer/round", ".1f"),
         ("reads_per_peer_round", "reads/peer/round", ".1f"), ("stores_per_peer_round", "stores/peer/round", ".1f"),
         ("records_per_read", "records/read", ".1f"), ("dht_kb_per_peer_round", "DHT KB/peer/round", ".1f"),
-        ("dht_requests_per_peer_round", "DHT requests/peer/round", ".0f"), ("distinct_states", "states", "d")]
+        ("dht_requests_per_peer_round", "DHT requests/peer/round", ".0f"), ("levels", "roster levels", "s"),
+        ("estimate", "N estimate", ".0f"), ("distinct_states", "states", "d")]
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:

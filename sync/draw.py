@@ -92,12 +92,16 @@ class Drawing:
         self._chances: dict[str, int] = {}  # credible_owners' grace, counted in rounds a peer had to deliver
         self._first_seen: dict[str, int] = {}  # peer -> the round its record was first read
         self._tickets: tuple[int, dict[str, float]] = (-1, {})  # (round, peer -> ticket): polls ask many times
-        self.swarm.drawn_for = self._drawn_for
+        self.swarm.in_drawn_key = self._in_drawn_key
 
-    def _drawn_for(self, round_id: int) -> bool:
-        """Whether this peer's ticket draws it for `round_id` at the last draw's odds (the swarm stores its record
-        under the drawn key then, sync/roster.py; every peer while every peer contributes)."""
-        return ticket(self.swarm.run_id, round_id, self.swarm.peer_id) < self._draw.drawn
+    def _in_drawn_key(self, round_id: int, due_round: int | None) -> bool:
+        """Whether this peer's record, at `round_id` (and due for `due_round`), goes under the drawn key while the
+        roster is sharded (sync/roster.py): drawn for the next round or the one it is due for (readers outside its
+        shard then wait for it), or possibly drawn for this one in another's view (below 2C / N: they then see it
+        reach the round, contributing or not). Every peer while every peer contributes."""
+        me, run, draw = self.swarm.peer_id, self.swarm.run_id, self._draw
+        return (ticket(run, round_id, me) < draw.accepted or ticket(run, round_id + 1, me) < draw.drawn
+                or (due_round is not None and ticket(run, due_round, me) < draw.drawn))
 
     def _ticket(self, peer_id: str) -> float:
         if self._tickets[0] != self.round_id:

@@ -103,7 +103,9 @@ class SwarmProgress:
                     continue
                 self.reads += 1
                 self._own_read_at = time.monotonic()
-                records = self.swarm.peers()
+                # Its roster shard alone (sync/roster.py): the drawn peers' key is read by the rounds, which
+                # need it; what this view serves (rounds ahead, due times) a shard shows as well.
+                records = self.swarm.peers(drawn=False)
                 self.offer(records)
                 me = self.swarm.peer_id
                 if me in records:  # a read lacking this peer's own record tells nothing

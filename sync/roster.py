@@ -16,9 +16,11 @@ each peer reads one shard of about `shard` to 2 x `shard` records (`sync.roster_
   ceil). A reader therefore sees every writer of its shard whose estimate is within a factor 2^0.5 of its own,
   and one store more per refresh is the price. A joiner starts at level 0 and moves to where the records it reads say the swarm is (records
   carry their writer's level, `lvl`), at most MAX_LEVEL + 1 reads.
-- Contributions come from C drawn peers anywhere (sync/draw.py), so a peer drawn for its current or next round
-  (in its own view) also stores its record under `{run_id}_drawn` while the swarm is sharded: every peer reads
-  that key too (about C to 2C records), and waits for and fetches exactly what it would have seen in one roster.
+- Contributions come from C drawn peers anywhere (sync/draw.py), so while the swarm is sharded a peer also
+  stores its record under `{run_id}_drawn` when it is drawn for its next round (or the one it is due for), or
+  may be drawn for its current one in another's view (ticket below 2C / N): every peer reads that key too (about
+  3C records), waits for an outside peer there whose record is of the previous round (it said it is drawn for
+  this one) until it reaches this round, contributing or not, and so aggregates what one roster would show.
 
 Coverage, ownership and N are judged from the shard (a sample of the swarm: each shard keeps every expert
 covered on its own, so the swarm does too); the round's contributions from the shard plus the drawn key.
@@ -148,11 +150,11 @@ class Roster:
                 for level in write_levels(estimate, self.shard)]
         return keys + [drawn_key(self.run_id)] if drawn and sharded(estimate, self.shard) else keys
 
-    def update(self, level: int, members: int, counts: list[int], drawn_levels: list[int], visited: set[int],
-               now: float | None = None) -> bool:
+    def update(self, level: int, members: int, counts: list[int] | None, drawn_levels: list[int],
+               visited: set[int], now: float | None = None) -> bool:
         """Take a read at `level` that found `members` live records in this peer's shard (itself included) and
-        the drawn records' published `counts` (est): update the estimate, and move to the level it points to. True:
-        moved to a level not read yet in this pass (read again there)."""
+        the drawn records' published `counts` (est; None: the drawn key was not read): update the estimate, and
+        move to the level it points to. True: moved to a level not read yet in this pass (read again there)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self.reads += 1
@@ -162,10 +164,12 @@ class Roster:
             # Itself plus the others scaled: a peer always finds itself in its shard, so members x 2^L would
             # count it 2^L times.
             self.count = 1 + max(0, members - 1) * 2 ** level
+            if counts is None and sharded(self.estimate, self.shard):
+                return False  # a shard alone is one view: the estimate waits for the drawn peers' counts
             if now >= self._hold_until or self.count > self.estimate:
                 # Right after a move the new level fills as the others' records arrive: meanwhile its counts
                 # may only raise the estimate (a swarm starting at once would flap between levels).
-                self.estimate = float(median([self.count, *counts]))
+                self.estimate = float(median([self.count, *(counts or [])]))
             target, jump = next_level(level, self.estimate, members, self.shard, drawn_levels)
             if target == level or (now < self._hold_until and not jump):
                 return False  # a move the estimate asks for waits for the hold to end (a joiner's jump does not)

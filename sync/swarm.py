@@ -94,11 +94,10 @@ class Swarm:
         self.peer_id = str(self.dht.peer_id)
         self.key = peers_key(self.run_id)
         self.roster = Roster(self.run_id, self.peer_id, self.shard, settle=self.ttl / 3 + 1.0)
-        # Set by the rounds (sync/draw.py): whether this peer is drawn for a round, in its own view. A drawn peer's
-        # record also goes under the drawn key while the roster is sharded (sync/roster.py).
-        self.drawn_for: Callable[[int], bool] | None = None
+        # Set by the rounds (sync/draw.py): whether this peer's record (round, due round) also goes under the
+        # drawn key while the roster is sharded (sync/roster.py).
+        self.in_drawn_key: Callable[[int, int | None], bool] | None = None
         self._drawn: dict[str, tuple[float, PeerRecord | None]] = {}  # the drawn key's parsed records (see _parsed)
-        self._drawn_until = -float("inf")  # monotonic time until which its record goes under the drawn key
         self.record = PeerRecord(self.peer_id, [], ticket=self.ticket, origin=process_origin(get_dht_time()),
                                  cfg=fingerprint(self.settings) if self.settings else "")
         self._settings_stored_at = -float("inf")
@@ -193,13 +192,8 @@ class Swarm:
 
     def _store_futures(self, value: dict[str, Any], expiration: float) -> list:
         """Store this peer's record under every key it belongs to now (sync/roster.py), without waiting."""
-        # Under the drawn key while drawn for its round or the next (in its own view), and for a ttl after: the
-        # readers outside its shard then see it reach the round, contributing or not (sync/roster.py).
-        record, now = self.record, time.monotonic()
-        if self.drawn_for is not None and any(self.drawn_for(r) for r in {record.round, record.round + 1,
-                                                                            *(record.due[:1] if record.due else [])}):
-            self._drawn_until = now + self.ttl
-        drawn = now < self._drawn_until
+        record = self.record
+        drawn = self.in_drawn_key is not None and self.in_drawn_key(record.round, record.due[0] if record.due else None)
         return [store_record(self.dht, key, self.peer_id, value, expiration, return_future=True)
                 for key in self.roster.store_keys(drawn)]
 
@@ -207,22 +201,27 @@ class Swarm:
         future = store_record(self.dht, key, subkey, value, expiration, return_future=True)
         return bool(future.result(timeout=timeout))
 
-    def peers(self) -> dict[str, PeerRecord]:
+    def peers(self, drawn: bool = True) -> dict[str, PeerRecord]:
         """Live peers' records (ours included once published): this peer's roster shard, and the drawn peers
-        outside it marked `outside` (sync/roster.py). A read at a level the shard says is wrong is read again
-        at the right one (a joiner finds the swarm's level within MAX_LEVEL + 1 reads)."""
+        outside it marked `outside` (sync/roster.py; `drawn=False`: the shard alone, as the progress reader reads
+        between rounds). A read at a level the shard says is wrong is read again at the right one (a joiner finds
+        the swarm's level within MAX_LEVEL + 1 reads)."""
         visited: set[int] = set()
+        key = drawn_key(self.run_id)
+        outside: dict[str, PeerRecord] = {}
         for _ in range(MAX_LEVEL + 1):
-            key = drawn_key(self.run_id)  # read in parallel with the shard while sharded
-            drawn = read_latest(self.dht, key, return_future=True) if self.roster.sharded() else None
+            # The drawn key is read in parallel with the shard while sharded.
+            future = read_latest(self.dht, key, return_future=True) if drawn and self.roster.sharded() else None
             level, shard_key = self.roster.read_key()
             records = self._read_shard(read_latest(self.dht, shard_key))
-            if drawn is None and self.roster.probes(len(records) - (self.peer_id in records)):
-                drawn = read_latest(self.dht, key, return_future=True)
-            found = drawn.result() if drawn is not None else None
-            revoked = self.revoked() if self.admission is not None and found is not None else set()
-            outside, self._drawn = parse_drawn(found, self._drawn, self.peer_id, self.num_experts, revoked)
-            counts = [r.est for r in outside.values() if r.est]  # drawn by ticket: a sample of the whole swarm
+            if future is None and drawn and self.roster.probes(len(records) - (self.peer_id in records)):
+                future = read_latest(self.dht, key, return_future=True)
+            counts = None  # the drawn peers' counts: drawn by ticket, a sample of the whole swarm
+            if future is not None:
+                found = future.result()
+                revoked = self.revoked() if self.admission is not None and found is not None else set()
+                outside, self._drawn = parse_drawn(found, self._drawn, self.peer_id, self.num_experts, revoked)
+                counts = [r.est for r in outside.values() if r.est]
             moved = self.roster.update(level, len(records), counts, [r.lvl for r in outside.values()], visited)
             if self.roster.level != level and self.withdrawn is False and self.record.experts:
                 self.publish(wait=False)  # at its new levels at once: the others reading there count it

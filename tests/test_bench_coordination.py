@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.coordination import (DhtParams, Requests, Schedule, builds, coordination_row, hivemind_dht_params, main,
-                                neighbours_bytes, record_copy_bytes)
+                                neighbours_bytes, record_copy_bytes, roster_records)
 
 SCHED = Schedule(interval_s=10.0, progress_poll_s=1.0, wait_s=1.0, wait_poll_s=0.2, heartbeat_s=10.0, lead_s=7.0,
                  idle_poll_s=10.0)
@@ -43,10 +43,11 @@ def test_every_visited_holder_answers_with_every_record():
 @pytest.mark.unit
 def test_inputs_come_from_a_signed_record_hivemind_and_sync_dht(capsys):
     assert hivemind_dht_params() == DhtParams(bucket_size=20, num_replicas=5, cache_nearest=1)  # hivemind 1.1.12
-    old, new = builds()
+    old, new, sharded = builds()
     assert (old.read_visits, old.store_visits) == (20, 20) and (new.read_visits, new.store_visits) == (2, 20)
     assert not old.scheduled_reads and new.scheduled_reads
     assert old.store_lookup_answers_records and not new.store_lookup_answers_records
+    assert (new.shard, sharded.shard, sharded.contributors) == (0, 32, 16)  # sync.config's defaults
     assert 700 < record_copy_bytes() < 2000  # RSA-2048 key and signature plus the payload
     assert 1000 < neighbours_bytes() < 1500  # 20 node IDs and peer IDs
     assert main(["--peers", "8", "1000", "--interval", "2"]) == 0
@@ -54,3 +55,20 @@ def test_inputs_come_from_a_signed_record_hivemind_and_sync_dht(capsys):
     assert "| 1000" in out and "goal (10 KB)" in out
     with pytest.raises(SystemExit):
         main(["--peers", "1"])
+
+
+@pytest.mark.unit
+def test_a_sharded_roster_keeps_a_peer_s_reads_flat_in_n():
+    """sync/roster.py: a read carries a shard (32 to 45 records at the default) and, for the rounds' reads, the
+    drawn key (3C records), whatever N is; below a shard's size it is the one key it was."""
+    sharded = Requests("sharded", 2, 20, 5, scheduled_reads=True, store_lookup_answers_records=False, shard=32,
+                       contributors=16)
+    assert roster_records(16, 32, 16) == (16.0, 0.0, 1)  # one key below a shard
+    for n in (128, 1000, 20_000):
+        in_shard, drawn, levels = roster_records(n, 32, 16)
+        assert 32 / 2 ** 0.5 <= in_shard <= 32 * 2 ** 0.5 and drawn == 48 and levels in (1, 2)
+    long = Schedule(100.0, 1.0, 1.0, 0.2, 10.0, lead_s=7.0, idle_poll_s=10.0)
+    rows = {n: coordination_row(n, 1000, 1160, sharded, long) for n in (128, 1000, 20_000)}
+    assert rows[20_000]["kb"] / rows[128]["kb"] < 1.6  # flat in N but for the lookups' hops (log N)
+    assert rows[1000]["records_per_read"] < 60 and rows[1000]["kb"] < coordination_row(1000, 1000, 1160, NEW, long)[
+        "kb"] / 10
