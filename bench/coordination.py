@@ -40,6 +40,7 @@ from typing import Sequence
 from bench.common import format_table, setup_logging
 
 GOAL_KB = 10.0  # issue "Many peers": per-peer coordination per round at 1,000 peers
+SHARD = 32  # sync.roster_shard of the sharded arm (2E for the paper-1b shape's 16 experts)
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,15 @@ def hivemind_dht_params() -> DhtParams:
 
 
 def builds() -> tuple[Requests, Requests, Requests]:
-    """(7466c65: hivemind's defaults, 13d1077: sync.dht's bounds on one key, this build: the roster in shards and
-    the drawn key, sync/roster.py, at the default sync settings)."""
+    """(7466c65: hivemind's defaults; this build with one key (sync.roster_shard 0, the default): sync.dht's
+    bounds; and with the roster in shards of SHARD and the drawn key, sync/roster.py)."""
     from sync.config import SyncConfig
     from sync.dht import NUM_REPLICAS, READ_BEAM
     dht, cfg = hivemind_dht_params(), SyncConfig()
     bounded = dict(scheduled_reads=True, store_lookup_answers_records=False)
     return (Requests("7466c65", dht.bucket_size, dht.bucket_size, dht.num_replicas),
-            Requests("13d1077", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded),
-            Requests("this build", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded, shard=cfg.roster_shard,
+            Requests("one key", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded),
+            Requests(f"shards of {SHARD}", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded, shard=SHARD,
                      contributors=cfg.contributors))
 
 
@@ -193,9 +194,9 @@ def table(rows: Sequence[Sequence[dict[str, float]]], names: Sequence[str]) -> s
     """One row per peer count: reads and records per read, then per build KB and requests per peer per round."""
     first, last = names[0], names[-1]
     return format_table(
-        ["peers", "reads per round (this build)", f"records per read, {' / '.join(names)}",
+        ["peers", f"reads per round ({last})", f"records per read, {' / '.join(names)}",
          *[f"KB/peer/round, {n}" for n in names], f"{first} ÷ {last}",
-         f"DHT requests/peer/round, {' / '.join(names)}", "KB a key holder serves per round (this build)",
+         f"DHT requests/peer/round, {' / '.join(names)}", f"KB a key holder serves per round ({last})",
          f"{last} ÷ goal (10 KB)"],
         [[r[-1]["peers"], f"{r[-1]['reads']:.0f}", " / ".join(f"{b['records_per_read']:,.0f}" for b in r),
           *[f"{b['kb']:,.0f}" for b in r], f"{r[0]['kb'] / r[-1]['kb']:,.0f}x",
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.peers]
     sys.stdout.write(f"record copy {record_bytes} B, neighbour list {neighbours} B; a read visits {old.read_visits} / "
                      f"{new.read_visits} nodes, a store {old.store_visits} / {new.store_visits} and stores on "
-                     f"{new.replicas} ({old.name} / {new.name}); this build: roster shards of {new.shard}, "
+                     f"{new.replicas} ({old.name} / this build); roster shards of {new.shard}, "
                      f"{new.contributors} contributors; round every {args.interval:g} s, progress poll "
                      f"{sched.progress_poll_s:g} s, announcement wait {args.wait:g} s"
                      + (f"; reads {args.reads:g} per round" if args.reads is not None else "")

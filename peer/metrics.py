@@ -71,7 +71,7 @@ class PeerMetrics:
         self.expert_owned = Gauge("spes_expert_owned", "1 for each expert this peer owns, 0 for the others",
                                   ["expert"], registry=r)
         self.peers = Gauge("spes_peers", "Live peers seen in the run's DHT records (this one included; 0 without "
-                           "a swarm)", registry=r)
+                           "a swarm; above sync.roster_shard peers estimated from a shard of them)", registry=r)
         self.merge_alpha = Gauge("spes_merge_alpha", "Current expert-merging warm-up coefficient (0 after warm-up "
                                  "or with sync off)", registry=r)
         self.rejected = Counter("spes_rejected_tensors", "Received tensors refused by validation, by reason",

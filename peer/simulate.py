@@ -64,7 +64,7 @@ class SimConfig:
     matchmaking_time: float = 5.0
     interval: float = 0.0          # seconds of (simulated) training between rounds, in 10 steps; 0: back to back
     contributors: int = 16         # sync.contributors of every peer (0: every peer contributes to every round)
-    roster_shard: int = 32         # sync.roster_shard of every peer (records per roster shard, sync/roster.py)
+    roster_shard: int = 0          # sync.roster_shard of every peer (records per roster shard, sync/roster.py; 0: off)
 
     def check(self) -> None:
         if self.peers < 2:
@@ -79,8 +79,8 @@ class SimConfig:
             raise ValueError(f"--interval must be >= 0, got {self.interval}")
         if self.contributors < 0:
             raise ValueError(f"--contributors must be >= 0, got {self.contributors}")
-        if self.roster_shard < 1:
-            raise ValueError(f"--roster-shard must be >= 1, got {self.roster_shard}")
+        if self.roster_shard < 0:
+            raise ValueError(f"--roster-shard must be >= 0, got {self.roster_shard}")
 
 
 @dataclass
@@ -382,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sync.contributors of every peer: about this many contribute to a round (default "
                         f"{d.contributors}; 0: all)")
     p.add_argument("--roster-shard", type=int, default=d.roster_shard,
-                   help=f"sync.roster_shard of every peer: records per roster shard (default {d.roster_shard})")
+                   help=f"sync.roster_shard of every peer: records per roster shard (default {d.roster_shard}: "
+                        f"one key)")
     p.add_argument("--out", metavar="DIR", help="write simulate.json and simulate.png here")
     return p
 

@@ -58,9 +58,11 @@ class SyncConfig:
     # when drawn (about this many are), and a peer fetches about this many blobs per round whatever the run's
     # size; one not drawn drops what it trained in the round. 0: every peer contributes to every round.
     contributors: int = 16
-    # Records per roster shard (sync/roster.py): a peer reads one shard of this many to twice as many records,
-    # plus the drawn peers', so its DHT reads stay bounded whatever N is; a run of fewer peers is one shard.
-    roster_shard: int = 32
+    # Records per roster shard (sync/roster.py): a peer reads one shard of about this many records, plus the
+    # drawn peers', so its DHT reads stay bounded whatever N is; a run of fewer peers is one shard. At least
+    # 2 x model.num_experts (a shard covers every expert by itself). 0 (default): one key, every read O(N): a
+    # sharded run of 32 peers on one 2-core machine diverged (bench/README.md) and nothing larger was measured.
+    roster_shard: int = 0
     # Most experts a peer may own after adopting orphans; 0 = no limit.
     max_experts_per_peer: int = 0
     # Seconds: the most a round waits for announcements (round_timeout), and for the others' contributions to
@@ -128,8 +130,8 @@ class SyncConfig:
                 raise ValueError(f"sync.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"sync.outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.roster_shard < 1:
-            raise ValueError(f"sync.roster_shard must be >= 1, got {self.roster_shard}")
+        if self.roster_shard < 0:
+            raise ValueError(f"sync.roster_shard must be >= 0, got {self.roster_shard}")
         if self.contributors < 0:
             raise ValueError(f"sync.contributors must be >= 0, got {self.contributors}")
         if self.max_experts_per_peer < 0:

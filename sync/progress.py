@@ -144,10 +144,14 @@ class SwarmProgress:
         return {p: r for p, r in self._records.items() if p != self.swarm.peer_id}
 
     def peer_count(self) -> int | None:
-        """Live peers in the view, this one included; None while the reader does not run or its last read is
-        older than an idle poll plus a few seconds."""
+        """Live peers in the view, this one included (the roster's estimate once sharded: a view is one shard,
+        sync/roster.py); None while the reader does not run or its last read is older than an idle poll plus a few
+        seconds."""
         if self._thread is None or time.monotonic() - self._read_at > self.idle_poll + 5:
             return None
+        roster = getattr(self.swarm, "roster", None)
+        if roster is not None and roster.level > 0:
+            return round(roster.estimate)
         return len(set(self._records) | {self.swarm.peer_id})
 
     def nobody_else(self, reads: int, max_age: float) -> bool:

@@ -1,4 +1,5 @@
-"""The run's roster in shards, and the drawn peers' key (docs/DESIGN.md, "A roster in shards").
+"""The run's roster in shards, and the drawn peers' key (docs/DESIGN.md, "A roster in shards"). Opt-in:
+`sync.roster_shard` 0 (the default) keeps every record under one key.
 
 A DHT read returns every record under a key, so one key for all peer records makes every read O(N). Instead
 each peer reads one shard of about `shard` to 2 x `shard` records (`sync.roster_shard`, a run setting):
@@ -12,9 +13,9 @@ each peer reads one shard of about `shard` to 2 x `shard` records (`sync.roster_
   the drawn peers are a sample of the whole swarm (by ticket), so the median puts every peer near one value (the
   draw's odds and acceptance assume views within 2x, sync/draw.py). Not the shard mates' counts: they are one
   view, and a shard whose members all counted few would keep itself at a level of its own. It places itself at
-  x = log2(N / shard): it reads the level nearest x and stores its record at the two levels around x (floor and
-  ceil). A reader therefore sees every writer of its shard whose estimate is within a factor 2^0.5 of its own,
-  and one store more per refresh is the price. A joiner starts at level 0 and moves to where the records it reads say the swarm is (records
+  x = log2(N / shard): it reads the level nearest x and stores its record there, and at the other level around
+  x while x is more than a quarter from the nearest (write_levels). A reader therefore sees every writer of its
+  shard whose estimate is within a factor 2^0.25 of its own; half the records cost a second store. A joiner starts at level 0 and moves to where the records it reads say the swarm is (records
   carry their writer's level, `lvl`), at most MAX_LEVEL + 1 reads.
 - Contributions come from C drawn peers anywhere (sync/draw.py), so while the swarm is sharded a peer also
   stores its record under `{run_id}_drawn` when it is drawn for its next round (or the one it is due for), or
@@ -23,7 +24,9 @@ each peer reads one shard of about `shard` to 2 x `shard` records (`sync.roster_
   this one) until it reaches this round, contributing or not, and so aggregates what one roster would show.
 
 Coverage, ownership and N are judged from the shard (a sample of the swarm: each shard keeps every expert
-covered on its own, so the swarm does too); the round's contributions from the shard plus the drawn key.
+covered on its own, so the swarm does too; hence a shard is at least 2E records whatever `sync.roster_shard`
+says: peers owning one expert each can still give each of E experts two owners in it); the round's
+contributions from the shard plus the drawn key.
 """
 from __future__ import annotations
 
@@ -72,9 +75,14 @@ def read_level(estimate: float, shard: int) -> int:
 
 
 def write_levels(estimate: float, shard: int) -> list[int]:
-    """The levels a peer stores its record at: floor and ceil of its x, within [0, MAX_LEVEL]."""
+    """The levels a peer stores its record at, within [0, MAX_LEVEL]: the level nearest its x while x is within
+    a quarter of it, else floor and ceil of x. A reader within a quarter (estimates within 2^0.25 = 1.19x; the
+    median puts them within a few percent) reads a level the writer stores at, and most records cost one store."""
     x = position(estimate, shard)
-    return sorted({min(MAX_LEVEL, max(0, math.floor(x))), min(MAX_LEVEL, max(0, math.ceil(x)))})
+    clamp = lambda level: min(MAX_LEVEL, max(0, level))
+    if abs(x - round(x)) <= 0.25:
+        return [clamp(round(x))]
+    return sorted({clamp(math.floor(x)), clamp(math.ceil(x))})
 
 
 def sharded(estimate: float, shard: int) -> bool:
@@ -109,8 +117,8 @@ class Roster:
     Thread-safe (the progress reader and the round thread both read the records)."""
 
     def __init__(self, run_id: str, peer_id: str, shard: int, settle: float = 11.0):
-        if shard < 1:
-            raise ValueError(f"sync.roster_shard must be >= 1, got {shard}")
+        if shard < 0:
+            raise ValueError(f"sync.roster_shard must be >= 0, got {shard}")
         self.run_id, self.peer_id, self.shard = run_id, peer_id, shard
         # Seconds a level is kept after a move (the others' records reach a new level with their next refresh,
         # within record_ttl / 3): reads there meanwhile may raise the estimate, never lower it. Without it a swarm
@@ -134,16 +142,19 @@ class Roster:
         return level, shard_key(self.run_id, level, shard_prefix(self.peer_id, level))
 
     def sharded(self) -> bool:
-        return sharded(self.estimate, self.shard)
+        return bool(self.shard) and sharded(self.estimate, self.shard)
 
     def probes(self, others: int) -> bool:
         """Whether an unsharded read that found `others` other live records also reads the drawn key: when it
-        found nobody (a joiner of a sharded swarm finds nobody at level 0) and every PROBE_EVERY reads."""
-        return others == 0 or (self.reads + 1) % PROBE_EVERY == 0
+        found nobody (a joiner of a sharded swarm finds nobody at level 0) and every PROBE_EVERY reads. Never
+        with sharding off (shard 0: one key, nobody writes the drawn key)."""
+        return bool(self.shard) and (others == 0 or (self.reads + 1) % PROBE_EVERY == 0)
 
     def store_keys(self, drawn: bool) -> list[str]:
         """Where this peer's record goes: its shard at both levels around its x, and the drawn key while it is
         drawn (`drawn`) and the swarm may be sharded for some reader."""
+        if not self.shard:
+            return [peers_key(self.run_id)]
         with self._lock:
             estimate = self.estimate
         keys = [shard_key(self.run_id, level, shard_prefix(self.peer_id, level))
@@ -161,6 +172,10 @@ class Roster:
             visited.add(level)
             if level != self.level:
                 return False  # another thread moved meanwhile: this read is of a level left
+            if not self.shard:  # sharding off: one key, every record in it
+                self.count = max(1, members)
+                self.estimate = float(self.count)
+                return False
             # Itself plus the others scaled: a peer always finds itself in its shard, so members x 2^L would
             # count it 2^L times.
             self.count = 1 + max(0, members - 1) * 2 ** level
@@ -199,7 +214,7 @@ def parse_drawn(found: Any, cache: dict[str, tuple[float, Any]], me: str, num_ex
             continue
         hit = cache.get(subkey)
         record = hit[1] if hit is not None and hit[0] == expiration else (
-            PeerRecord.from_value(subkey, getattr(item, "value", None), num_experts) if _is_peer_id(subkey) else None)
+            PeerRecord.from_value(subkey, getattr(item, "value", None), num_experts) if is_peer_id(subkey) else None)
         if record is not None:
             record.outside = True
         parsed[subkey] = (expiration, record)
@@ -208,7 +223,7 @@ def parse_drawn(found: Any, cache: dict[str, tuple[float, Any]], me: str, num_ex
     return records, parsed
 
 
-def _is_peer_id(text: str) -> bool:
+def is_peer_id(text: str) -> bool:
     try:
         return len(text) < 100 and bool(PeerID.from_base58(text))
     except Exception:  # any peer can write any subkey: a garbage one is skipped, not trusted

@@ -25,13 +25,13 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.records import peers_key, revoked_key
-from sync.roster import MAX_LEVEL, Roster, drawn_key, parse_drawn
+from sync.roster import MAX_LEVEL, Roster, drawn_key, is_peer_id, parse_drawn
 from sync.peer_record import PeerRecord, median_round, process_origin, twin_started_first  # noqa: F401 (API)
 from sync.dht import read_latest, store_record
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
 from sync.reach import PING_TIMEOUT, dht_neighbours, ping_maddrs
-from sync.settings import (SETTINGS_LIFETIME, fingerprint, first_difference, is_settings, run_fingerprint,
-                           settings_key)
+from sync.run_settings import RunSettings
+from sync.settings import SETTINGS_LIFETIME, fingerprint
 
 logger = get_logger(__name__)
 
@@ -46,14 +46,6 @@ def _pid_alive(pid: int) -> bool:
     except OSError:  # another user's process
         return True
     return True
-
-
-def _is_peer_id(text: str) -> bool:
-    try:
-        PeerID.from_base58(text)
-        return True
-    except Exception:  # any peer can write any subkey: a garbage one is skipped, not trusted
-        return False
 
 
 def least_covered(coverage: dict[int, int], count: int, peer_id: str = "") -> list[int]:
@@ -74,7 +66,7 @@ def adoption_order(candidates: Iterable[str], expert: int) -> list[str]:
 
 
 @dataclass
-class Swarm:
+class Swarm(RunSettings):
     """One peer's membership in a run: its DHT node, its ownership record and a heartbeat."""
 
     dht: hivemind.DHT
@@ -87,13 +79,16 @@ class Swarm:
     initial_peers: Sequence[str] = ()
     # The settings every peer of the run must share (sync/settings.py; built by peer/), None: not checked.
     settings: Mapping[str, Any] | None = None
-    shard: int = 32  # sync.roster_shard: records per roster shard (sync/roster.py)
+    shard: int = 0  # sync.roster_shard: records per roster shard (sync/roster.py); 0: one key
     record: PeerRecord = field(init=False)
 
     def __post_init__(self) -> None:
         self.peer_id = str(self.dht.peer_id)
         self.key = peers_key(self.run_id)
-        self.roster = Roster(self.run_id, self.peer_id, self.shard, settle=self.ttl / 3 + 1.0)
+        # A shard covers every expert by itself (sync/roster.py): at least 2E records, so even peers owning one
+        # expert each can give every expert two owners in it. 0: sharding off.
+        self.roster = Roster(self.run_id, self.peer_id, max(self.shard, 2 * self.num_experts) if self.shard else 0,
+                             settle=self.ttl / 3 + 1.0)
         # Set by the rounds (sync/draw.py): whether this peer's record (round, due round) also goes under the
         # drawn key while the roster is sharded (sync/roster.py).
         self.in_drawn_key: Callable[[int, int | None], bool] | None = None
@@ -252,7 +247,7 @@ class Swarm:
             if hit is not None and hit[0] == expiration:
                 record = hit[1]
             else:
-                record = PeerRecord.from_value(subkey, value, self.num_experts) if _is_peer_id(subkey) else None
+                record = PeerRecord.from_value(subkey, value, self.num_experts) if is_peer_id(subkey) else None
             parsed[subkey] = (expiration, record)
             if subkey == self.peer_id and record is not None:
                 self._check_twin(record, expiration)
@@ -487,44 +482,6 @@ class Swarm:
         self.rejoined_at = time.monotonic()
         self.publish()  # its record expired everywhere else meanwhile: be visible again now, not at the next beat
         return True
-
-    # ---- the run's settings (sync/settings.py) ----------------------------------------------------------
-
-    def publish_settings(self) -> None:
-        """Store this peer's settings under their fingerprint, for a joiner whose own differ to compare with."""
-        if self.settings:
-            self._store_at(settings_key(self.run_id), self.record.cfg, dict(self.settings),
-                           get_dht_time() + SETTINGS_LIFETIME)
-            self._settings_stored_at = time.monotonic()
-
-    def run_settings(self, others: Iterable[PeerRecord]) -> tuple[str | None, dict[str, Any] | None]:
-        """(the fingerprint most of `others` publish, the settings stored under it if found and valid)."""
-        run = run_fingerprint(r.cfg for r in others)
-        if run is None:
-            return None, None
-        found = read_latest(self.dht, settings_key(self.run_id))
-        entry = found.value.get(run) if found is not None and isinstance(found.value, dict) else None
-        settings = getattr(entry, "value", None)
-        return run, settings if is_settings(settings) else None
-
-    def settings_mismatch(self, records: dict[str, PeerRecord]) -> str | None:
-        """Why this peer cannot take part in the run (its settings are not those most live `records` publish),
-        naming the first setting that differs and the run's value; None when they agree or nobody else is there."""
-        if not self.settings:
-            return None
-        others = [r for p, r in records.items() if p != self.peer_id]
-        run = run_fingerprint(r.cfg for r in others)
-        if run is None or run == self.record.cfg:
-            return None
-        count = sum(r.cfg == run for r in others)
-        _, theirs = self.run_settings(others)
-        difference = first_difference(theirs, self.settings) if theirs is not None else None
-        if difference is None:
-            return (f"this peer's settings differ from those of run {self.run_id} ({count} live peer(s); "
-                    f"fingerprint {run}, this peer {self.record.cfg}): start it with the run's config")
-        name, value, mine = difference
-        return (f"run {self.run_id} ({count} live peer(s)) uses {name} = {value!r}, this peer {mine!r}: start it "
-                f"with the run's config (--config FILE or --set {name}=...)")
 
     def start_heartbeat(self) -> None:
         def beat() -> None:

@@ -47,7 +47,7 @@ def test_inputs_come_from_a_signed_record_hivemind_and_sync_dht(capsys):
     assert (old.read_visits, old.store_visits) == (20, 20) and (new.read_visits, new.store_visits) == (2, 20)
     assert not old.scheduled_reads and new.scheduled_reads
     assert old.store_lookup_answers_records and not new.store_lookup_answers_records
-    assert (new.shard, sharded.shard, sharded.contributors) == (0, 32, 16)  # sync.config's defaults
+    assert (new.shard, sharded.shard, sharded.contributors) == (0, 32, 16)  # one key; shards of 32; sync's C
     assert 700 < record_copy_bytes() < 2000  # RSA-2048 key and signature plus the payload
     assert 1000 < neighbours_bytes() < 1500  # 20 node IDs and peer IDs
     assert main(["--peers", "8", "1000", "--interval", "2"]) == 0
