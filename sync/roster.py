@@ -13,9 +13,9 @@ each peer reads one shard of about `shard` to 2 x `shard` records (`sync.roster_
   the drawn peers are a sample of the whole swarm (by ticket), so the median puts every peer near one value (the
   draw's odds and acceptance assume views within 2x, sync/draw.py). Not the shard mates' counts: they are one
   view, and a shard whose members all counted few would keep itself at a level of its own. It places itself at
-  x = log2(N / shard): it reads the level nearest x and stores its record there, and at the other level around
-  x while x is more than a quarter from the nearest (write_levels). A reader therefore sees every writer of its
-  shard whose estimate is within a factor 2^0.25 of its own; half the records cost a second store. A joiner starts at level 0 and moves to where the records it reads say the swarm is (records
+  x = log2(N / shard): it reads the level nearest x and stores its record at every level within 0.75 of x
+  (write_levels: two or three). A reader therefore sees every writer of its shard whose estimate is within a
+  factor 2^0.75 of its own; the price is two or three stores per refresh. A joiner starts at level 0 and moves to where the records it reads say the swarm is (records
   carry their writer's level, `lvl`), at most MAX_LEVEL + 1 reads.
 - Contributions come from C drawn peers anywhere (sync/draw.py), so while the swarm is sharded a peer also
   stores its record under `{run_id}_drawn` when it is drawn for its next round (or the one it is due for), or
@@ -75,14 +75,15 @@ def read_level(estimate: float, shard: int) -> int:
 
 
 def write_levels(estimate: float, shard: int) -> list[int]:
-    """The levels a peer stores its record at, within [0, MAX_LEVEL]: the level nearest its x while x is within
-    a quarter of it, else floor and ceil of x. A reader within a quarter (estimates within 2^0.25 = 1.19x; the
-    median puts them within a few percent) reads a level the writer stores at, and most records cost one store."""
+    """The levels a peer stores its record at, within [0, MAX_LEVEL]: every level within 0.75 of its x (two or
+    three). A reader whose x is within 0.75 of the writer's (estimates within 2^0.75 = 1.7x) reads one of them.
+    Narrower (one level near an integer x) let a swarm split across two levels keep itself split: each half
+    counted only itself (tests/test_roster.py's swarm model oscillated with period 3)."""
     x = position(estimate, shard)
+    if x <= -0.25:
+        return [0]
     clamp = lambda level: min(MAX_LEVEL, max(0, level))
-    if abs(x - round(x)) <= 0.25:
-        return [clamp(round(x))]
-    return sorted({clamp(math.floor(x)), clamp(math.ceil(x))})
+    return sorted({clamp(math.floor(x - 0.25)), clamp(round(x)), clamp(math.ceil(x + 0.25))})
 
 
 def sharded(estimate: float, shard: int) -> bool:
