@@ -222,8 +222,9 @@ class Swarm(RunSettings):
                 self.publish(wait=False)  # at its new levels at once: the others reading there count it
             if not moved:
                 break
-        with self._lock:
-            self.record.lvl, self.record.est = self.roster.level, self.roster.count
+        if self.roster.shard:  # unsharded runs publish the records they always did
+            with self._lock:
+                self.record.lvl, self.record.est = self.roster.level, self.roster.count
         return {**{p: r for p, r in outside.items() if p not in records}, **records}
 
     def _read_shard(self, found: Any) -> dict[str, PeerRecord]:
