@@ -213,15 +213,24 @@ def parse_drawn(found: Any, cache: dict[str, tuple[float, Any]], me: str, num_ex
         expiration = getattr(item, "expiration_time", 0)
         if not isinstance(subkey, str) or expiration < now or subkey in revoked or subkey == me:
             continue
-        hit = cache.get(subkey)
-        record = hit[1] if hit is not None and hit[0] == expiration else (
-            PeerRecord.from_value(subkey, getattr(item, "value", None), num_experts) if is_peer_id(subkey) else None)
+        record = parse_cached(subkey, item, cache, num_experts)
         if record is not None:
             record.outside = True
         parsed[subkey] = (expiration, record)
         if record is not None and record.experts and not record.finished:
             records[subkey] = record
     return records, parsed
+
+
+def parse_cached(subkey: str, item: Any, cache: dict[str, tuple[float, Any]], num_experts: int) -> Any:
+    """The record of one DHT entry (None: malformed), from `cache` when the same subkey had the same expiration
+    in the last read (a record changes every ttl / 3: a read of many costs a lookup each, not a parse)."""
+    from sync.peer_record import PeerRecord
+
+    hit = cache.get(subkey)
+    if hit is not None and hit[0] == getattr(item, "expiration_time", 0):
+        return hit[1]
+    return PeerRecord.from_value(subkey, getattr(item, "value", None), num_experts) if is_peer_id(subkey) else None
 
 
 def is_peer_id(text: str) -> bool:

@@ -25,7 +25,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from sync.records import peers_key, revoked_key
-from sync.roster import MAX_LEVEL, Roster, drawn_key, is_peer_id, parse_drawn
+from sync.roster import MAX_LEVEL, Roster, drawn_key, parse_cached, parse_drawn
 from sync.peer_record import PeerRecord, median_round, process_origin, twin_started_first  # noqa: F401 (API)
 from sync.dht import read_latest, store_record
 from sync.dht import SwarmError, busy_tcp_port, start_dht, start_dht_node  # noqa: F401 (the swarm's API)
@@ -187,8 +187,9 @@ class Swarm(RunSettings):
 
     def _store_futures(self, value: dict[str, Any], expiration: float) -> list:
         """Store this peer's record under every key it belongs to now (sync/roster.py), without waiting."""
-        record = self.record
-        drawn = self.in_drawn_key is not None and self.in_drawn_key(record.round, record.due[0] if record.due else None)
+        record = self.record  # the drawn key only matters while sharded: no tickets hashed on every store otherwise
+        drawn = self.roster.sharded() and self.in_drawn_key is not None and self.in_drawn_key(
+            record.round, record.due[0] if record.due else None)
         return [store_record(self.dht, key, self.peer_id, value, expiration, return_future=True)
                 for key in self.roster.store_keys(drawn)]
 
@@ -240,15 +241,10 @@ class Swarm(RunSettings):
         left: dict[int, set[str]] = {}
         cache, parsed = self._parsed, {}
         for subkey, item in found.value.items():
-            value = getattr(item, "value", None)
             expiration = getattr(item, "expiration_time", 0)
             if not isinstance(subkey, str) or expiration < now or subkey in revoked:
                 continue
-            hit = cache.get(subkey)
-            if hit is not None and hit[0] == expiration:
-                record = hit[1]
-            else:
-                record = PeerRecord.from_value(subkey, value, self.num_experts) if is_peer_id(subkey) else None
+            record = parse_cached(subkey, item, cache, self.num_experts)
             parsed[subkey] = (expiration, record)
             if subkey == self.peer_id and record is not None:
                 self._check_twin(record, expiration)
