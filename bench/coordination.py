@@ -63,6 +63,7 @@ class Requests:
     store_lookup_answers_records: bool = True  # False: a store looks up a neighbouring ID (store_near)
     shard: int = 0         # sync.roster_shard (sync/roster.py); 0: every record under one key
     contributors: int = 0  # sync.contributors: the drawn key holds about 3C records while sharded
+    packed_stores: bool = False  # a record's keys stored with one lookup (sync.hivemind_private.store_near)
 
 
 def roster_records(peers: int, shard: int, contributors: int) -> tuple[float, float, int]:
@@ -100,7 +101,7 @@ def builds() -> tuple[Requests, Requests, Requests]:
     from sync.config import SyncConfig
     from sync.dht import NUM_REPLICAS, READ_BEAM
     dht, cfg = hivemind_dht_params(), SyncConfig()
-    bounded = dict(scheduled_reads=True, store_lookup_answers_records=False)
+    bounded = dict(scheduled_reads=True, store_lookup_answers_records=False, packed_stores=True)
     return (Requests("7466c65", dht.bucket_size, dht.bucket_size, dht.num_replicas),
             Requests("one key", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded),
             Requests(f"shards of {SHARD}", READ_BEAM, dht.bucket_size, NUM_REPLICAS, **bounded, shard=SHARD,
@@ -175,19 +176,37 @@ def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Reques
     read_records = reads * in_shard + drawn_reads * drawn
     # A record goes to its levels' shard keys, and to the drawn key for the fraction of peers drawn.
     store_keys = levels + (drawn / peers if drawn else 0)
-    finds = (reads + drawn_reads) * (read_answers + hops) + stores * store_keys * (store_answers + hops)
+    read_finds = (reads + drawn_reads) * (read_answers + hops)
+    if req.packed_stores and peers - 1 <= 2 * bucket_size:
+        # One lookup for the record's keys, each request carrying them all (sync.hivemind_private.store_near,
+        # while a node knows at most two beams of nodes): the union of their beams, a neighbour list per key in
+        # every answer, and one store request per node nearest to any key.
+        store_finds = stores * (min(peers - 1, store_keys * store_answers) + hops)
+        store_lists, store_requests = store_finds * store_keys, stores * min(peers - 1, store_keys * replicas)
+    else:
+        store_finds = store_lists = stores * store_keys * (store_answers + hops)
+        store_requests = stores * store_keys * replicas
     neighbour_list = neighbours * min(bucket_size, peers - 1) / bucket_size  # a node names the ones it knows
     lookup_records = store_answers * peers * record_bytes if req.store_lookup_answers_records else 0
     kb = (read_answers * read_records * record_bytes + stores * store_keys * (lookup_records + replicas * record_bytes)
-          + finds * neighbour_list) / 1000
+          + (read_finds + store_lists) * neighbour_list) / 1000
     return {"peers": peers, "records_per_read": read_records / reads,
             "kb_per_read": read_answers * (in_shard + drawn) * record_bytes / 1000,
-            "reads": reads, "kb": kb, "requests": finds + stores * store_keys * replicas,
+            "reads": reads, "kb": kb, "requests": read_finds + store_finds + store_requests,
             # Each node holding a key answers the requests that visit it with the whole set: a shard's its own
             # peers' reads, the drawn key's everyone's. The busier of the two.
             "served_kb": max((min(in_shard, peers - 1) if drawn else peers - 1) * in_shard * reads,
                              (peers - 1) * drawn * drawn_reads) * record_bytes / 1000
             + (peers - 1) * (stores * lookup_records / 1000 if lookup_records else 0)}
+
+
+def floor_kb(peers: int, record_bytes: int, neighbours: int, contributors: int, bucket_size: int = 20) -> float:
+    """The least a round can cost a peer over this DHT with these records, whatever the protocol on top: it must
+    read the C drawn contributors' signed records (from one node) and store its own (on one node), each after a
+    lookup whose every step is answered with a neighbour list (hivemind's find)."""
+    hops = max(0, math.ceil(math.log2(peers / bucket_size)))
+    neighbour_list = neighbours * min(bucket_size, peers - 1) / bucket_size
+    return (contributors * record_bytes + record_bytes + 2 * (hops + 1) * neighbour_list) / 1000
 
 
 def table(rows: Sequence[Sequence[dict[str, float]]], names: Sequence[str]) -> str:
@@ -235,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                      + (f"; reads {args.reads:g} per round" if args.reads is not None else "")
                      + (f"; stores {args.stores:g} per round" if args.stores is not None else "") + "\n"
                      + table(rows, [r.name for r in reqs]) + "\n")
+    c, top = defaults.contributors, max(args.peers)
+    floor = floor_kb(top, record_bytes, neighbours, c, k)
+    sys.stdout.write(f"floor at {top} peers (one read of C = {c} records and one store, each after a lookup): "
+                     f"{floor:,.1f} KB per peer per round = {floor / GOAL_KB:.1f}x the goal; of it the records "
+                     f"{(c + 1) * record_bytes / 1000:,.1f} KB\n")
     return 0
 
 

@@ -126,7 +126,8 @@ def _count_requests(peer: SimPeer) -> None:
         return found
 
     def counted_run(coro, *args, **kwargs):  # sync.dht.store_record runs store_near in the DHT process
-        peer.stores += getattr(coro, "func", None) is store_near
+        if getattr(coro, "func", None) is store_near:  # a record stored under each of its keys counts per key
+            peer.stores += len(coro.keywords["keys"])
         return run(coro, *args, **kwargs)
 
     dht.get, dht.run_coroutine = counted_get, counted_run
@@ -249,6 +250,7 @@ class Simulation:
             stats.append({"dht_requests": delta["requests"], "dht_bytes": delta["sent"] + delta["received"],
                           "round_id": report.round_id if report else None, "group": report.group_size if report else 0,
                           "drawn": bool(report and report.contributed),
+                          "announced": report.expected if report else 0,
                           "seconds": report.seconds if report else None, "bytes": now_bytes - b,
                           "reads": peer.reads - r, "stores": peer.stores - s, "records": peer.records_read - rr,
                           "digest": peer.sync.synced_digest, "level": peer.swarm.roster.level,

@@ -44,13 +44,15 @@ def read_latest(dht: hivemind.DHT, key: str, return_future: bool = False) -> Any
     return dht.get(key, latest=True, return_future=return_future, beam_size=READ_BEAM)
 
 
-def store_record(dht: hivemind.DHT, key: str, subkey: str, value: Any, expiration: float,
+def store_record(dht: hivemind.DHT, keys: str | Sequence[str], subkey: str, value: Any, expiration: float,
                  return_future: bool = False) -> Any:
-    """Store one subkey of a run key on the NUM_REPLICAS nodes nearest it, found by a lookup whose nodes answer
-    with neighbours only, not the key's records (sync.hivemind_private.store_near); True if any stored it. The
-    lookup keeps hivemind's beam (bucket_size): cheap now, and a joiner whose routing table is still sparse
-    finds the same nearest nodes as everyone's reads (a narrower beam stored some joiners' records elsewhere)."""
-    return dht.run_coroutine(functools.partial(store_near, key=key, subkey=subkey, value=value,
+    """Store one subkey under a run key (or each of several, in one lookup) on the NUM_REPLICAS nodes nearest it,
+    found by a lookup whose nodes answer with neighbours only, not the key's records
+    (sync.hivemind_private.store_near); True if every key was stored on some node. The lookup keeps hivemind's
+    beam (bucket_size): cheap now, and a joiner whose routing table is still sparse finds the same nearest nodes as
+    everyone's reads (a narrower beam stored some joiners' records elsewhere)."""
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    return dht.run_coroutine(functools.partial(store_near, keys=keys, subkey=subkey, value=value,
                                                expiration=expiration), return_future=return_future)
 
 

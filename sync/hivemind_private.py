@@ -3,8 +3,11 @@ hivemind 1.1.12 that it does not expose publicly. hivemind is pinned (setup.cfg)
 first. No subclass of hivemind's averaging classes exists in this project; the one runtime wrapper is
 `count_dht_rpcs`, a measurement that peer.simulate installs (no peer run does).
 
-- `store_near`: `DHTNode.store_many` for one subkey, except the lookup (its node's `find_nearest_nodes`,
-  `protocol.serializer` / `record_validator` / `storage` / `call_store`): see its docstring.
+- `store_near`: `DHTNode.store_many` for one subkey under one or more keys, except the lookup (its node's
+  `protocol.serializer` / `record_validator` / `storage` / `call_store`, and for the lookup, `_find_nearest_together`:
+  `find_nearest_nodes` with every query in one request in a small swarm, through `hivemind.dht.traverse.traverse_dht`,
+  the node's routing table and its `uid_to_peer_id`, `_filter_blacklisted` and `_call_find_with_blacklist`): see
+  their docstrings.
 
 - `listen_maddr`: the DHT process's p2pd control address, to start a private `P2P.replicate` on another event loop
   (what `DHT.replicate_p2p` itself asks; its cached replica is bound to one loop).
@@ -86,31 +89,79 @@ def dht_rpc_counts(dht: hivemind.DHT) -> dict[str, int]:
     return dht.run_coroutine(_read_rpc_counter)
 
 
-async def store_near(_dht: hivemind.DHT, node: Any, key: str, subkey: str, value: Any, expiration: float) -> bool:
-    """Store `value` under (`key`, `subkey`) on the `num_replicas` nodes nearest the key, signed and validated as
-    `DHTNode.store_many` does; True if any of them stored it. The difference is the lookup: store_many looks up
-    the key itself, so every node it visits that holds the key answers with the whole dictionary (every peer
-    record of a run: O(N) bytes per visit, for nothing). This looks up an ID one bit away from the key's, which
-    no node holds; nodes are ordered by XOR distance, so its nearest nodes are the key's (unless two differ only
-    in their last bit), and each answers with neighbours only (docs/DESIGN.md, "DHT records")."""
+async def _find_nearest_together(node: Any, queries: list[Any], k_nearest: int) -> dict[Any, dict[Any, PeerID]]:
+    """`DHTNode.find_nearest_nodes` (hivemind's beam: bucket_size), except that while the node knows at most two
+    beams of nodes, one find request carries every query (hivemind packs sqrt(len(queries)) of them: one each for
+    the two or three keys of a record): the keys' beams then overlap, and a node in several is asked once
+    (peer.simulate, 16 and 32 peers: half the DHT requests, as many bytes). In a larger swarm the beams are apart
+    and a packed request would only add a neighbour list per extra query to every answer. Its blacklist and
+    routing table as hivemind's own lookup uses them."""
+    from hivemind.dht.traverse import traverse_dht
+
+    beam = max(node.protocol.bucket_size, k_nearest)
+    node_to_peer_id: dict[Any, PeerID] = {}
+    for query in queries:
+        nearest = node.protocol.routing_table.get_nearest_neighbors(query, beam, exclude=node.node_id)
+        node_to_peer_id.update(node._filter_blacklisted(dict(nearest)))
+
+    async def get_neighbors(peer: Any, asked: Any) -> dict[Any, tuple[tuple[Any, ...], bool]]:
+        response = await node._call_find_with_blacklist(node_to_peer_id[peer], asked)
+        if not response:
+            return {query: ((), False) for query in asked}
+        out = {}
+        for query, (_, peers) in response.items():
+            node_to_peer_id.update(peers)
+            out[query] = tuple(peers), False
+        return out
+
+    nearest_per_query, _ = await traverse_dht(
+        queries, initial_nodes=list(node_to_peer_id), beam_size=beam, num_workers=node.num_workers,
+        queries_per_call=len(queries) if len(node.protocol.routing_table.uid_to_peer_id) <= 2 * beam else 1,
+        get_neighbors=get_neighbors,
+        visited_nodes={query: {node.node_id} for query in queries})
+    node_to_peer_id[node.node_id] = node.peer_id
+    return {query: {n: node_to_peer_id[n] for n in sorted([*nearest, node.node_id], key=query.xor_distance)[:k_nearest]}
+            for query, nearest in nearest_per_query.items()}
+
+
+async def store_near(_dht: hivemind.DHT, node: Any, keys: Sequence[str], subkey: str, value: Any,
+                     expiration: float) -> bool:
+    """Store `value` under (key, `subkey`) for every key of `keys` on the `num_replicas` nodes nearest that key,
+    signed and validated as `DHTNode.store_many` does; True if each key was stored on at least one node. The
+    difference is the lookup: store_many looks up the key itself, so every node it visits that holds the key
+    answers with the whole dictionary (every peer record of a run: O(N) bytes per visit, for nothing). This looks
+    up an ID one bit away from each key's, which no node holds; nodes are ordered by XOR distance, so its nearest
+    nodes are the key's (unless two differ only in their last bit), and each answers with neighbours only
+    (docs/DESIGN.md, "DHT records"). The keys share one lookup (a node visited for two answers both in one
+    request) and a node nearest to several keys gets them in one store request (a record stored at two or three
+    roster levels, sync/roster.py)."""
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
 
     protocol = node.protocol
-    key_id = DHTID.generate(source=key)
-    probe = DHTID(int(key_id) ^ 1)
-    found = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas)
-    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
-                       expiration)
-    if protocol.record_validator is not None:
-        record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
-    stored, remote = [], []
-    for node_id, peer_id in found.get(probe, {}).items():
-        if node_id == node.node_id:
-            valid = protocol.record_validator is None or protocol.record_validator.validate(record)
-            stored.append(bool(valid and protocol.storage.store(key_id, record.value, expiration, subkey=subkey)))
-        else:
-            remote.append(protocol.call_store(peer_id, [key_id], [record.value], [expiration], subkeys=[subkey]))
-    for answer in await asyncio.gather(*remote, return_exceptions=True):
-        stored.append(isinstance(answer, list) and bool(answer) and bool(answer[0]))
-    return any(stored)
+    key_ids = {key: DHTID.generate(source=key) for key in keys}
+    probes = {key: DHTID(int(key_id) ^ 1) for key, key_id in key_ids.items()}
+    found = await _find_nearest_together(node, list(probes.values()), node.num_replicas)
+    stored = {key: False for key in keys}
+    per_peer: dict[Any, list[tuple[str, Any]]] = {}  # remote peer ID -> [(key, signed record)]
+    for key, key_id in key_ids.items():
+        record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
+                           expiration)
+        if protocol.record_validator is not None:
+            record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
+        for node_id, peer_id in found.get(probes[key], {}).items():
+            if node_id == node.node_id:
+                valid = protocol.record_validator is None or protocol.record_validator.validate(record)
+                stored[key] |= bool(valid and protocol.storage.store(key_id, record.value, expiration, subkey=subkey))
+            else:
+                per_peer.setdefault(peer_id, []).append((key, record))
+    peers = list(per_peer)
+    answers = await asyncio.gather(*[protocol.call_store(
+        peer, [key_ids[k] for k, _ in per_peer[peer]], [r.value for _, r in per_peer[peer]], expiration,
+        subkeys=[subkey] * len(per_peer[peer])) for peer in peers], return_exceptions=True)
+    for peer, answer in zip(peers, answers):
+        # A protobuf repeated field (one flag per key), None for no answer, or the request's exception.
+        if answer is not None and not isinstance(answer, BaseException):
+            for (key, _), ok in zip(per_peer[peer], answer):
+                stored[key] |= bool(ok)
+    return all(stored.values())

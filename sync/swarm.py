@@ -140,7 +140,7 @@ class Swarm(RunSettings):
                 return  # the record under this peer ID is the other process's
             self._stored_expiration = max(self._stored_expiration, expiration)
         if not wait:  # the heartbeat stores it again within ttl / 3 if this one fails
-            self._store_futures(value, expiration)
+            self._store_future(value, expiration)
             return
         try:
             self._store(value, expiration)
@@ -181,17 +181,16 @@ class Swarm(RunSettings):
         the shutdown. Nothing once a twin started first (the record under this peer ID is the other process's)."""
         if self.twin is not None:
             return False
-        deadline = time.monotonic() + timeout
-        return all([bool(f.result(timeout=max(0.0, deadline - time.monotonic())))
-                    for f in self._store_futures(value, expiration)])
+        return bool(self._store_future(value, expiration).result(timeout=timeout))
 
-    def _store_futures(self, value: dict[str, Any], expiration: float) -> list:
-        """Store this peer's record under every key it belongs to now (sync/roster.py), without waiting."""
+    def _store_future(self, value: dict[str, Any], expiration: float) -> Any:
+        """Store this peer's record under every key it belongs to now (sync/roster.py; one lookup for them all),
+        without waiting: a future of whether every key was stored."""
         record = self.record  # the drawn key only matters while sharded: no tickets hashed on every store otherwise
         drawn = self.roster.sharded() and self.in_drawn_key is not None and self.in_drawn_key(
             record.round, record.due[0] if record.due else None)
-        return [store_record(self.dht, key, self.peer_id, value, expiration, return_future=True)
-                for key in self.roster.store_keys(drawn)]
+        return store_record(self.dht, self.roster.store_keys(drawn), self.peer_id, value, expiration,
+                            return_future=True)
 
     def _store_at(self, key: str, subkey: str, value: Any, expiration: float, timeout: float = 15.0) -> bool:
         future = store_record(self.dht, key, subkey, value, expiration, return_future=True)

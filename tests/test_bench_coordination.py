@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.coordination import (DhtParams, Requests, Schedule, builds, coordination_row, hivemind_dht_params, main,
-                                neighbours_bytes, record_copy_bytes, roster_records)
+from bench.coordination import (DhtParams, Requests, Schedule, builds, coordination_row, floor_kb, hivemind_dht_params,
+                                main, neighbours_bytes, record_copy_bytes, roster_records)
 
 SCHED = Schedule(interval_s=10.0, progress_poll_s=1.0, wait_s=1.0, wait_poll_s=0.2, heartbeat_s=10.0, lead_s=7.0,
                  idle_poll_s=10.0)
@@ -52,7 +52,7 @@ def test_inputs_come_from_a_signed_record_hivemind_and_sync_dht(capsys):
     assert 1000 < neighbours_bytes() < 1500  # 20 node IDs and peer IDs
     assert main(["--peers", "8", "1000", "--interval", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| 1000" in out and "goal (10 KB)" in out
+    assert "| 1000" in out and "goal (10 KB)" in out and "floor at 1000 peers" in out
     with pytest.raises(SystemExit):
         main(["--peers", "1"])
 
@@ -72,3 +72,27 @@ def test_a_sharded_roster_keeps_a_peer_s_reads_flat_in_n():
     assert rows[20_000]["kb"] / rows[128]["kb"] < 1.6  # flat in N but for the lookups' hops (log N)
     assert rows[1000]["records_per_read"] < 60 and rows[1000]["kb"] < coordination_row(1000, 1000, 1160, NEW, long)[
         "kb"] / 10
+
+
+@pytest.mark.unit
+def test_a_packed_store_asks_each_node_once_while_the_beams_overlap():
+    """sync.hivemind_private.store_near: a record's two or three keys share one lookup, packed into each request
+    while a node knows at most two beams of nodes; apart in a larger swarm, as before."""
+    packed = Requests("packed", 2, 20, 5, scheduled_reads=True, store_lookup_answers_records=False, shard=8,
+                      contributors=4, packed_stores=True)
+    apart = Requests("apart", 2, 20, 5, scheduled_reads=True, store_lookup_answers_records=False, shard=8,
+                     contributors=4)
+    long = Schedule(100.0, 1.0, 1.0, 0.2, 10.0, lead_s=7.0, idle_poll_s=10.0)
+    small = [coordination_row(32, 1000, 1160, req, long) for req in (packed, apart)]
+    assert small[0]["requests"] < small[1]["requests"] / 1.5
+    large = [coordination_row(1000, 1000, 1160, req, long) for req in (packed, apart)]
+    assert large[0] == large[1]
+
+
+@pytest.mark.unit
+def test_the_floor_is_the_drawn_records_and_two_lookups():
+    """What no protocol over this DHT and these records gets below: C + 1 records and two lookups' neighbour
+    lists; it grows with N only through the lookups' hops."""
+    assert floor_kb(16, 1000, 1160, 16) == pytest.approx(17 + 2 * 1.16 * 15 / 20)  # no hop: the table knows all
+    assert floor_kb(1000, 1000, 1160, 16) == pytest.approx(17 + 2 * 7 * 1.16)  # six hops of a 20-bucket lookup
+    assert floor_kb(1000, 0, 0, 16) == 0

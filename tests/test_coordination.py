@@ -66,6 +66,31 @@ def test_a_read_and_a_store_visit_only_the_nodes_they_need(swarms):
     assert records[reader.peer_id].round == 1 and len(records) == PEERS
 
 
+def test_a_record_under_three_keys_is_stored_with_one_lookup(swarms):
+    """A sharded peer's record goes under two or three roster levels and maybe the drawn key (sync/roster.py):
+    one lookup for them all, and one store request per node however many of the keys it is nearest to."""
+    from hivemind.utils import get_dht_time
+
+    from sync.dht import read_latest, store_record
+    from sync.roster import drawn_key, shard_key, shard_prefix
+
+    writer = swarms[0]
+    count_dht_rpcs(writer.dht)
+    me = writer.peer_id
+    keys = [drawn_key(RUN)] + [shard_key(RUN, level, shard_prefix(me, level)) for level in (1, 2)]
+    value = writer.record.to_value()
+    before = dht_rpc_counts(writer.dht)
+    assert store_record(writer.dht, keys, me, value, get_dht_time() + 60)
+    spent = _delta(writer, before)
+    # Every node knows all others here: one lookup visits each of the other PEERS - 1 at most once, each asked for
+    # the three keys in one request (three lookups would have made up to three times as many).
+    assert spent.get("rpc_find requests", 0) <= PEERS - 1 + OVERSHOOT, spent
+    assert spent.get("rpc_store requests", 0) <= PEERS - 1, spent  # at most one per node
+    for key in keys:
+        found = read_latest(swarms[-1].dht, key)
+        assert found is not None and me in found.value, key
+
+
 # ---- the records' reader on the rounds' schedule (sync.progress), decided without a DHT --------------------------
 
 class _FakeSwarm:

@@ -1,5 +1,6 @@
 """The roster in shards (sync/roster.py), without a DHT: levels from an estimate, the two levels a record is
-stored at against the one a peer reads, the median estimate, the hold after a move, a joiner's jump, and a DHT
+stored at against the one a peer reads, the median estimate, the hold after a move, counts robust to reads that
+missed records, a joiner's jump, and a DHT
 node's refusal of a record under a shard its peer ID is not in."""
 from __future__ import annotations
 
@@ -86,6 +87,18 @@ def test_a_move_waits_for_the_hold_and_lowers_no_estimate_during_it():
     assert not r.update(2, 1, [], [], set(), now=1.0) and r.level == 2 and r.estimate == 12
     # After the hold a swarm that really shrank brings it down.
     assert r.update(2, 1, [], [], set(), now=11.0) and r.level == 0
+
+
+def test_a_read_that_missed_records_does_not_lower_the_count_for_a_settle_period():
+    r = Roster(RUN, "me", 4, settle=10.0)
+    r.level = 2
+    r.update(2, 5, [17, 17], [2, 2], set(), now=100.0)
+    assert r.count == 17 and r.estimate == 17  # itself + 4 others x 2^2
+    # A read under load found 2 of the 5: the count stays what this level showed within the settle period ...
+    assert not r.update(2, 2, [17, 17], [2, 2], set(), now=105.0) and r.count == 17 and r.level == 2
+    # ... and after it, a shard that really lost its peers is counted as it is.
+    r.update(2, 2, [5, 5], [2, 2], set(), now=116.0)
+    assert r.count == 5 and r.estimate == 5
 
 
 def test_a_joiner_finds_a_sharded_swarm_through_the_drawn_peers_levels():
