@@ -63,7 +63,7 @@ class Requests:
     store_lookup_answers_records: bool = True  # False: a store looks up a neighbouring ID (store_near)
     shard: int = 0         # sync.roster_shard (sync/roster.py); 0: every record under one key
     contributors: int = 0  # sync.contributors: the drawn key holds about 3C records while sharded
-    packed_stores: bool = False  # a record's keys stored with one lookup (sync.hivemind_private.store_near)
+    packed_stores: bool = False  # a record's keys in one lookup, its routes kept (sync.hivemind_private.store_near)
 
 
 def roster_records(peers: int, shard: int, contributors: int) -> tuple[float, float, int]:
@@ -177,14 +177,16 @@ def coordination_row(peers: int, record_bytes: int, neighbours: int, req: Reques
     # A record goes to its levels' shard keys, and to the drawn key for the fraction of peers drawn.
     store_keys = levels + (drawn / peers if drawn else 0)
     read_finds = (reads + drawn_reads) * (read_answers + hops)
+    # Routes kept for a heartbeat's period (sync.hivemind_private.store_near): a lookup per heartbeat, not per store.
+    lookups = min(stores, max(1.0, sched.interval_s / sched.heartbeat_s)) if req.packed_stores else stores
     if req.packed_stores and peers - 1 <= 2 * bucket_size:
         # One lookup for the record's keys, each request carrying them all (sync.hivemind_private.store_near,
         # while a node knows at most two beams of nodes): the union of their beams, a neighbour list per key in
         # every answer, and one store request per node nearest to any key.
-        store_finds = stores * (min(peers - 1, store_keys * store_answers) + hops)
+        store_finds = lookups * (min(peers - 1, store_keys * store_answers) + hops)
         store_lists, store_requests = store_finds * store_keys, stores * min(peers - 1, store_keys * replicas)
     else:
-        store_finds = store_lists = stores * store_keys * (store_answers + hops)
+        store_finds = store_lists = lookups * store_keys * (store_answers + hops)
         store_requests = stores * store_keys * replicas
     neighbour_list = neighbours * min(bucket_size, peers - 1) / bucket_size  # a node names the ones it knows
     lookup_records = store_answers * peers * record_bytes if req.store_lookup_answers_records else 0

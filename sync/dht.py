@@ -45,15 +45,17 @@ def read_latest(dht: hivemind.DHT, key: str, return_future: bool = False) -> Any
 
 
 def store_record(dht: hivemind.DHT, keys: str | Sequence[str], subkey: str, value: Any, expiration: float,
-                 return_future: bool = False) -> Any:
+                 return_future: bool = False, route_ttl: float = 0.0) -> Any:
     """Store one subkey under a run key (or each of several, in one lookup) on the NUM_REPLICAS nodes nearest it,
     found by a lookup whose nodes answer with neighbours only, not the key's records
     (sync.hivemind_private.store_near); True if every key was stored on some node. The lookup keeps hivemind's
     beam (bucket_size): cheap now, and a joiner whose routing table is still sparse finds the same nearest nodes as
-    everyone's reads (a narrower beam stored some joiners' records elsewhere)."""
+    everyone's reads (a narrower beam stored some joiners' records elsewhere). `route_ttl` > 0: the nodes a lookup
+    found are stored to again without one for that many seconds while they answer."""
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
     return dht.run_coroutine(functools.partial(store_near, keys=keys, subkey=subkey, value=value,
-                                               expiration=expiration), return_future=return_future)
+                                               expiration=expiration, route_ttl=route_ttl),
+                             return_future=return_future)
 
 
 class SwarmError(RuntimeError):

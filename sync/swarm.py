@@ -189,8 +189,10 @@ class Swarm(RunSettings):
         record = self.record  # the drawn key only matters while sharded: no tickets hashed on every store otherwise
         drawn = self.roster.sharded() and self.in_drawn_key is not None and self.in_drawn_key(
             record.round, record.due[0] if record.due else None)
+        # Routes kept for a heartbeat's period: the heartbeat looks the keys up again about as often as it stores
+        # (sync.hivemind_private.store_near), the round's and the due estimate's stores between two do not.
         return store_record(self.dht, self.roster.store_keys(drawn), self.peer_id, value, expiration,
-                            return_future=True)
+                            return_future=True, route_ttl=self.ttl / 3)
 
     def _store_at(self, key: str, subkey: str, value: Any, expiration: float, timeout: float = 15.0) -> bool:
         future = store_record(self.dht, key, subkey, value, expiration, return_future=True)
