@@ -385,8 +385,8 @@ def publish_revocation(dht: "hivemind.DHT", run_id: str, peer_id: str, revocatio
     try:
         if store_record(dht, key, str(peer_id), revocation, get_dht_time() + ttl_days * _DAY):
             return True
-        # hivemind reports the answer of the last replica only, so one node that refused it (or already had it)
-        # hides the others' success: read it back instead.
+        # Refused by every node it reached, or none answered: one that already held this revocation refuses it
+        # again (it is no newer), so read it back instead.
         found = read_latest(dht, key)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         return getattr(entries.get(str(peer_id)), "value", None) == revocation
