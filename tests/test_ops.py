@@ -138,8 +138,10 @@ def test_sigterm_leaves_cleanly_and_the_other_peer_adopts_its_experts(tmp_path, 
         assert adoption["time"] - left_at < RECORD_TTL / 2, adoption
         # With the leaver's AdamW moments (the only peer that had them), served while it left and checked against
         # AdamW's bound on loading.
+        # (0 and 1 too when this peer started late under load: the other had adopted them as orphans meanwhile and
+        # handed their moments over when this one came up, seen in 1 of 8 runs two at a time on 2 cores.)
         last = wait_record(tmp_path / "peer0" / "metrics.jsonl", lambda r: r.get("owned_experts") == [0, 1, 2, 3]
-                           and r.get("moments_taken_over") == [2, 3], [survivor], 60)
+                           and r.get("moments_taken_over") in ([2, 3], [0, 1, 2, 3]), [survivor], 60)
         # The survivor's records carry the sync counters the benchmarks read.
         assert last["bytes_sent"]["shared"] > 0 and last["bytes_received"]["expert"] > 0, last
         assert last["blocked_s"] >= 0
