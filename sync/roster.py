@@ -15,8 +15,10 @@ each peer reads one shard of about `shard` to 2 x `shard` records (`sync.roster_
   view, and a shard whose members all counted few would keep itself at a level of its own. It places itself at
   x = log2(N / shard): it reads the level nearest x and stores its record at every level within 0.75 of x
   (write_levels: two or three). A reader therefore sees every writer of its shard whose estimate is within a
-  factor 2^0.75 of its own; the price is two or three stores per refresh. A joiner starts at level 0 and moves to where the records it reads say the swarm is (records
-  carry their writer's level, `lvl`), at most MAX_LEVEL + 1 reads.
+  factor 2^0.75 of its own; the price is two or three keys per store (one lookup for them all,
+  sync.hivemind_private.store_near). Its count is the largest of its level's reads within the hold after a move
+  (a read may miss records, never invent one). A joiner starts at level 0 and moves to where the records it
+  reads say the swarm is (records carry their writer's level, `lvl`), at most MAX_LEVEL + 1 reads.
 - Contributions come from C drawn peers anywhere (sync/draw.py), so while the swarm is sharded a peer also
   stores its record under `{run_id}_drawn` when it is drawn for its next round (or the one it is due for), or
   may be drawn for its current one in another's view (ticket below 2C / N): every peer reads that key too (about
