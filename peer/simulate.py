@@ -94,6 +94,7 @@ class SimPeer:
     reads: int = 0
     stores: int = 0
     records_read: int = 0
+    store_seconds: list[float] = field(default_factory=list)  # each record store's time until its future resolved
     rounds: list[dict[str, Any]] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -126,9 +127,19 @@ def _count_requests(peer: SimPeer) -> None:
         return found
 
     def counted_run(coro, *args, **kwargs):  # sync.dht.store_record runs store_near in the DHT process
-        if getattr(coro, "func", None) is store_near:  # a record stored under each of its keys counts per key
-            peer.stores += len(coro.keywords["keys"])
-        return run(coro, *args, **kwargs)
+        if getattr(coro, "func", None) is not store_near:
+            return run(coro, *args, **kwargs)
+        peer.stores += len(coro.keywords["keys"])  # a record stored under each of its keys counts per key
+        started = time.monotonic()
+        done = lambda _: peer.store_seconds.append(time.monotonic() - started)
+        if kwargs.get("return_future"):
+            future = run(coro, *args, **kwargs)
+            future.add_done_callback(done)
+            return future
+        try:
+            return run(coro, *args, **kwargs)
+        finally:
+            done(None)
 
     dht.get, dht.run_coroutine = counted_get, counted_run
 
@@ -229,7 +240,7 @@ class Simulation:
         """One round on every live peer (concurrent network parts, as separate machines would run them), after
         --interval seconds of training; what a peer sends and reads is counted over both."""
         before = {id(p): (sum(p.sync.bytes_sent().values()) + sum(p.sync.bytes_received().values()), p.reads,
-                          p.stores, p.records_read, self._rpc(p)) for p in self.peers}
+                          p.stores, p.records_read, self._rpc(p), len(p.store_seconds)) for p in self.peers}
         self._train(index)
         if self.cfg.interval > 0:
             self._steps()
@@ -243,7 +254,7 @@ class Simulation:
         wall = time.monotonic() - started
         stats = []
         for peer, report in zip(self.peers, reports):
-            b, r, s, rr, rpc0 = before[id(peer)]
+            b, r, s, rr, rpc0, st = before[id(peer)]
             now_bytes = sum(peer.sync.bytes_sent().values()) + sum(peer.sync.bytes_received().values())
             rpc = self._rpc(peer)
             delta = {k: rpc.get(k, 0) - rpc0.get(k, 0) for k in ("requests", "sent", "received")}
@@ -251,6 +262,7 @@ class Simulation:
                           "round_id": report.round_id if report else None, "group": report.group_size if report else 0,
                           "drawn": bool(report and report.contributed),
                           "announced": report.expected if report else 0,
+                          "store_seconds": peer.store_seconds[st:],
                           "seconds": report.seconds if report else None, "bytes": now_bytes - b,
                           "reads": peer.reads - r, "stores": peer.stores - s, "records": peer.records_read - rr,
                           "digest": peer.sync.synced_digest, "level": peer.swarm.roster.level,
@@ -307,10 +319,13 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
         newest = max((s["round_id"] or 0) for s in r["peers"])
         distinct.append(len({s["digest"] for s in r["peers"] if s["round_id"] == newest}))
     seconds = [s["seconds"] for s in stats if s["seconds"] is not None]
+    store_s = [t for s in stats for t in s["store_seconds"]]
     return {"rounds": upto, "live": live, "left": left, "joined": joined,
             "covered": sum(n > 0 for n in owners.values()), "experts": len(owners),
             "min_owners": min(owners.values()), "max_owners": max(owners.values()),
             "group": statistics.fmean(s["group"] for s in stats),
+            # Contributions announced in a peer's view (its own included): above `group`, fetches were lost.
+            "announced": statistics.fmean(s["announced"] for s in stats),
             "drawn": sum(s["drawn"] for s in stats) / max(1, len(window)),
             "round_s": statistics.median(seconds) if seconds else None,
             "kb_per_peer_round": statistics.fmean(s["bytes"] for s in stats) / 1e3,
@@ -318,6 +333,7 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
             "dht_kb_per_peer_round": statistics.fmean(s["dht_bytes"] for s in stats) / 1e3,
             "dht_requests_per_peer_round": statistics.fmean(s["dht_requests"] for s in stats),
             "stores_per_peer_round": statistics.fmean(s["stores"] for s in stats),
+            "store_s": statistics.median(store_s) if store_s else None,
             "records_per_read": (sum(s["records"] for s in stats) / max(1, sum(s["reads"] for s in stats))),
             "levels": f"{min(s['level'] for s in stats)}-{max(s['level'] for s in stats)}",
             "estimate": statistics.median(s["estimate"] for s in stats),
@@ -326,9 +342,11 @@ def summarize(window: list[dict[str, Any]], owners: dict[int, int], live: int, u
 
 HEAD = [("rounds", "rounds", "d"), ("live", "live", "d"), ("left", "left", "d"), ("joined", "joined", "d"),
         ("covered", "covered", "d"), ("min_owners", "min owners", "d"), ("max_owners", "max owners", "d"),
-        ("drawn", "drawn", ".1f"), ("group", "group", ".1f"), ("round_s", "round s", ".2f"),
+        ("drawn", "drawn", ".1f"), ("announced", "announced", ".1f"), ("group", "group", ".1f"),
+        ("round_s", "round s", ".2f"),
         ("kb_per_peer_round", "KB/peer/round", ".1f"),
         ("reads_per_peer_round", "reads/peer/round", ".1f"), ("stores_per_peer_round", "stores/peer/round", ".1f"),
+        ("store_s", "store s (median)", ".2f"),
         ("records_per_read", "records/read", ".1f"), ("dht_kb_per_peer_round", "DHT KB/peer/round", ".1f"),
         ("dht_requests_per_peer_round", "DHT requests/peer/round", ".0f"), ("levels", "roster levels", "s"),
         ("estimate", "N estimate", ".0f"), ("distinct_states", "states", "d")]

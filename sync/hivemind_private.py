@@ -95,12 +95,14 @@ async def _find_nearest_together(node: Any, queries: list[Any], k_nearest: int) 
     beams of nodes, one find request carries every query (hivemind packs sqrt(len(queries)) of them: one each for
     the two or three keys of a record): the keys' beams then overlap, and a node in several is asked once
     (peer.simulate, 16 and 32 peers: half the DHT requests, 10 % fewer to 20 % more bytes: a packed answer carries
-    a neighbour list per key). In a larger swarm the beams are apart
-    and a packed request would only add a neighbour list per extra query to every answer. Its blacklist and
+    a neighbour list per key). In a larger swarm the beams are apart and a packed request would only add a
+    neighbour list per extra query to every answer: hivemind's `find_nearest_nodes` itself then. Its blacklist and
     routing table as hivemind's own lookup uses them."""
     from hivemind.dht.traverse import traverse_dht
 
     beam = max(node.protocol.bucket_size, k_nearest)
+    if len(node.protocol.routing_table.uid_to_peer_id) > 2 * beam:  # the beams are apart: hivemind's own lookup
+        return await node.find_nearest_nodes(queries, k_nearest=k_nearest)
     node_to_peer_id: dict[Any, PeerID] = {}
     for query in queries:
         nearest = node.protocol.routing_table.get_nearest_neighbors(query, beam, exclude=node.node_id)
@@ -118,8 +120,7 @@ async def _find_nearest_together(node: Any, queries: list[Any], k_nearest: int) 
 
     nearest_per_query, _ = await traverse_dht(
         queries, initial_nodes=list(node_to_peer_id), beam_size=beam, num_workers=node.num_workers,
-        queries_per_call=len(queries) if len(node.protocol.routing_table.uid_to_peer_id) <= 2 * beam else 1,
-        get_neighbors=get_neighbors,
+        queries_per_call=len(queries), get_neighbors=get_neighbors,
         visited_nodes={query: {node.node_id} for query in queries})
     node_to_peer_id[node.node_id] = node.peer_id
     return {query: {n: node_to_peer_id[n] for n in sorted([*nearest, node.node_id], key=query.xor_distance)[:k_nearest]}
@@ -143,9 +144,9 @@ async def store_near(_dht: hivemind.DHT, node: Any, keys: Sequence[str], subkey:
     roster levels, sync/roster.py).
 
     `route_ttl` > 0: a key's nearest nodes found by a lookup are stored to again without one for that many
-    seconds, as long as each of them answers (the lookup was most of a store's time: peer.simulate, 32 peers on
-    2 cores, median 0.5-2.8 s and 90th percentile 5 s). A node nearer than those that joins meanwhile misses
-    the record for at most that long, as it would between two heartbeats."""
+    seconds, as long as each of them answers (a lookup visits up to bucket_size nodes; the stores then go to
+    num_replicas). A node nearer than those that joins meanwhile misses the record for at most that long, as it
+    would between two heartbeats."""
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
 

@@ -155,8 +155,8 @@ class Roster:
         return bool(self.shard) and (others == 0 or (self.reads + 1) % PROBE_EVERY == 0)
 
     def store_keys(self, drawn: bool) -> list[str]:
-        """Where this peer's record goes: its shard at both levels around its x, and the drawn key while it is
-        drawn (`drawn`) and the swarm may be sharded for some reader."""
+        """Where this peer's record goes: its shard at every level of write_levels, and the drawn key while it is
+        drawn (`drawn`) and the swarm may be sharded for some reader; the one key with sharding off."""
         if not self.shard:
             return [peers_key(self.run_id)]
         with self._lock:
@@ -183,8 +183,8 @@ class Roster:
             # Itself plus the others scaled: a peer always finds itself in its shard, so members x 2^L would
             # count it 2^L times.
             # A read may miss records (a node that answered late, a store still on its way) but never invents
-            # one, so the count is the largest of this level's reads within `settle` seconds: at 32 peers on 2
-            # cores (peer.simulate) the undercounting reads alone spread the swarm over three levels.
+            # one, so the count is the largest of this level's reads within `settle` seconds (no peer.simulate row
+            # shows it paying at 32 peers; without it test_simulate's 16 sharded peers split once under load).
             self._counts = [(t, c) for t, c in self._counts if t > now - self.settle] + [
                 (now, 1 + max(0, members - 1) * 2 ** level)]
             self.count = max(c for _, c in self._counts)

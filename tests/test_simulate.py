@@ -24,9 +24,10 @@ def test_sixteen_peers_with_churn_keep_coverage_and_agree():
             assert row["live"] == 16 and row["covered"] == 8, row
             assert row["distinct_states"] == 1, row  # every peer at the newest round holds the same tensors
             assert row["group"] > 12, row  # nearly every contribution aggregated by every peer
+            assert row["store_s"] is not None and row["store_s"] > 0, row  # every record store timed
         assert rows[-1]["min_owners"] >= 2, rows[-1]  # N = 2E: two owners per expert, also after the churn
         assert all(len(p.rounds) >= 1 for p in sim.peers)
-        assert "records/read" in format_rows(rows)
+        assert "records/read" in format_rows(rows) and "store s (median)" in format_rows(rows)
 
 
 @pytest.mark.slow
